@@ -1,0 +1,176 @@
+"""Cast pass: copy the graph node by node and give each node its inputs in the dtype its
+Decision asks for, through aten._to_copy casts.
+
+- one cast per (value, dtype): every consumer wanting x in bf16 shares one cast node;
+- a low node takes its fp32 inputs in the low type; every other node takes each input in
+  the dtype it had before conversion, so fp32 and integer nodes compute what they did;
+- graph outputs are cast back to their original dtype (the program's signature is kept);
+- meta["val"] of a node whose input dtypes changed is recomputed by running the op on its
+  fake inputs, so later passes, .module() and torch.export.save see the real dtypes.
+
+The input graph is never modified: the pass builds a new one.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+from .ops import arg_value, aten, node_dtype, with_arg
+from .rules import Decision, is_structural
+
+CAST_MARK = "intqat_autocast"  # meta key on the casts this pass inserts
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def set_val(node: torch.fx.Node, val) -> None:
+    node.meta["val"] = val
+    if isinstance(val, torch.Tensor):
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+    else:
+        node.meta.pop("tensor_meta", None)
+
+
+def is_inserted_cast(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.meta.get(CAST_MARK) == "cast"
+
+
+class _CastBuilder:
+    def __init__(self, gm: torch.fx.GraphModule, decisions: dict[torch.fx.Node, Decision],
+                 low: torch.dtype, cast_placeholders: set[str]):
+        self.old = gm.graph
+        self.decisions = decisions
+        self.low = low
+        self.cast_placeholders = cast_placeholders
+        self.graph = torch.fx.Graph()
+        self.env: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.casts: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+        # Old names not yet copied must stay free, so inserted casts never rename them.
+        self.taken = {n.name for n in self.old.nodes}
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.old.nodes])
+
+    def _cast_name(self, src: torch.fx.Node, dtype: torch.dtype) -> str:
+        base = name = f"{src.name}_{SHORT.get(dtype, str(dtype).split('.')[-1])}"
+        i = 1
+        while name in self.taken:
+            name, i = f"{base}_{i}", i + 1
+        self.taken.add(name)
+        return name
+
+    def value(self, old: torch.fx.Node, want: torch.dtype | None, consumer: torch.fx.Node) -> torch.fx.Node:
+        """The new-graph value of `old`, in dtype `want` (None: as it is)."""
+        new = self.env[old]
+        cur = node_dtype(new)
+        if want is None or cur is None or cur == want or not cur.is_floating_point:
+            return new
+        key = (old, want)
+        if key not in self.casts:
+            cast = self.graph.call_function(aten._to_copy.default, (new,), {"dtype": want},
+                                            name=self._cast_name(old, want))
+            with self.fake_mode:
+                set_val(cast, aten._to_copy.default(new.meta["val"], dtype=want))
+            stack = consumer.meta.get("nn_module_stack") or old.meta.get("nn_module_stack")
+            if stack is not None:
+                cast.meta["nn_module_stack"] = dict(stack)
+            cast.meta[CAST_MARK] = "cast"
+            self.casts[key] = cast
+        return self.casts[key]
+
+    def _want(self, node: torch.fx.Node) -> Callable[[torch.fx.Node], torch.dtype | None]:
+        if node.op == "output":
+            return node_dtype
+        if node.op != "call_function" or is_structural(node):
+            return lambda a: None
+        d = self.decisions[node]
+        if d.rule == "explicit_cast":
+            return lambda a: None  # x.to(dtype) takes x as it comes
+        if d.low:
+            return lambda a: self.low if node_dtype(a) == torch.float32 else node_dtype(a)
+        return node_dtype
+
+    def _copy(self, node: torch.fx.Node) -> torch.fx.Node:
+        want = self._want(node)
+        changed = False
+
+        def transform(a: torch.fx.Node) -> torch.fx.Node:
+            nonlocal changed
+            v = self.value(a, want(a), node)
+            changed |= node_dtype(v) != node_dtype(a)
+            return v
+
+        new = self.graph.node_copy(node, transform)
+        if node.op == "call_function" and changed:
+            self._refresh(node, new)
+        return new
+
+    def _refresh(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+        if old.target is aten._assert_tensor_metadata.default:
+            # It asserts the dtype export saw; the input now legitimately has another one.
+            if arg_value(new, "dtype") is not None:
+                with_arg(new, "dtype", node_dtype(new.args[0]))
+            return
+        if not isinstance(old.meta.get("val"), (torch.Tensor, tuple, list)):
+            return  # sym_size and friends: a SymInt does not depend on dtype
+        args, kwargs = torch.fx.node.map_arg((new.args, new.kwargs), lambda n: n.meta.get("val"))
+        if new.target is operator.getitem:
+            set_val(new, args[0][args[1]])
+            return
+        with self.fake_mode:
+            set_val(new, new.target(*args, **kwargs))
+
+    def build(self) -> torch.fx.Graph:
+        for node in self.old.nodes:
+            new = self._copy(node)
+            if node.op == "placeholder" and node.name in self.cast_placeholders:
+                with self.fake_mode:
+                    set_val(new, aten._to_copy.default(node.meta["val"], dtype=self.low))
+            self.env[node] = new
+        return self.graph
+
+    @property
+    def n_casts(self) -> int:
+        return len(self.casts)
+
+
+def insert_casts(gm: torch.fx.GraphModule, decisions: dict[torch.fx.Node, Decision],
+                 low: torch.dtype, cast_placeholders: set[str]) -> tuple[torch.fx.Graph, int]:
+    """New graph with casts; cast_placeholders are params stored in `low` from now on."""
+    builder = _CastBuilder(gm, decisions, low, cast_placeholders)
+    graph = builder.build()
+    remove_redundant_casts(graph)
+    graph.lint()
+    return graph, sum(1 for n in graph.nodes if is_inserted_cast(n))
+
+
+def remove_redundant_casts(graph: torch.fx.Graph) -> int:
+    """Collapse chains of inserted casts and drop no-op ones; returns how many went.
+
+    cast(cast(x, bf16), fp32) -> x and cast(cast(x, bf16), fp16) -> cast(x, fp16): the
+    intermediate rounding was ours, not the model's. A user's own x.to(bf16) is intent
+    (it may simulate rounding) and is never touched.
+    """
+    removed = 0
+    first: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        if not is_inserted_cast(node):
+            continue
+        src = node.args[0]
+        while is_inserted_cast(src):
+            src = src.args[0]
+        node.args = (src,)
+        dtype = node.kwargs["dtype"]
+        if node_dtype(src) == dtype:
+            node.replace_all_uses_with(src)
+        elif (src, dtype) in first:  # a collapsed chain can duplicate an existing cast
+            node.replace_all_uses_with(first[(src, dtype)])
+        else:
+            first[(src, dtype)] = node
+    for node in reversed(list(graph.nodes)):
+        if is_inserted_cast(node) and not node.users:
+            graph.erase_node(node)
+            removed += 1
+    return removed

@@ -1,0 +1,218 @@
+"""Rule-based node classifier: each float op gets a precision and the name of the rule
+that chose it; the first rule that fires wins (order of RULES below).
+
+Precisions: the low type ("bf16"/"fp16"), "fp32", or "unchanged" (the op keeps the
+dtypes it had: integer ops, explicit casts, ops on non-fp32 floats). A node that is
+neither low nor unchanged gets its inputs in their original dtype, so fp32 nodes compute
+exactly what they computed before conversion.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch._ops import HigherOrderOperator
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from .config import AutocastConfig
+from .ops import CAST_OPS, INDEX_ARG_OPS, WIDEST_TYPE_OPS, _MISSING, arg_value, packet_of, tensors
+from .reduction import too_deep
+
+# First match wins, in this order.
+RULES = (
+    "higher_order_op",          # other HOP regions (set_grad, cond, ...) are opaque: fp32
+    "autocast_region",          # under torch.autocast at export time: keep what it chose
+    "integer_op",               # int/bool inputs or outputs: never touched
+    "explicit_cast",            # x.to(dtype) in user code: output dtype is fixed
+    "non_fp32_dtype",           # fp64 or already-low values: not ours to change
+    "constant",                 # no tensor inputs (zeros, arange, full): dtype fixed by op
+    "integer_layer",            # quantize prologue / float epilogue of IntLinear & co: fp32
+    "nodes_to_exclude",
+    "targets_to_exclude",
+    "fp32_ops",
+    "conditional_fp32_ops",
+    "max_depth_of_reduction",
+    "data_max",
+    "low_precision_ops",        # listed by the caller: low
+    "widest_type",              # add/cat/view...: widest precision among computed inputs
+    "follows_consumers",        # widest-type op on params/constants only: as its consumers
+    "not_in_low_precision_ops",  # low_precision_ops given and op not in it: fp32
+    "default_low_precision",
+)
+
+FP32, UNCHANGED = "fp32", "unchanged"
+
+
+@dataclass(frozen=True)
+class Decision:
+    precision: str  # low name ("bf16"/"fp16"), "fp32" or "unchanged"
+    rule: str
+
+    @property
+    def low(self) -> bool:
+        return self.precision not in (FP32, UNCHANGED)
+
+
+def is_structural(node: torch.fx.Node) -> bool:
+    """getitem, asserts, sym_size...: no computation of their own, never classified."""
+    if node.target is operator.getitem:
+        return True
+    return not isinstance(node.target, HigherOrderOperator) and not tensors(node.meta.get("val"))
+
+
+def producer(node: torch.fx.Node) -> torch.fx.Node:
+    """Through getitem to the op that computed the value."""
+    while node.op == "call_function" and is_structural(node) and node.args \
+            and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.Tensor]]:
+    out = []
+    for a in node.all_input_nodes:
+        val = a.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            out.append((a, val))
+    return out
+
+
+def _in_integer_layer(node: torch.fx.Node, types: tuple[str, ...]) -> bool:
+    for _path, cls in (node.meta.get("nn_module_stack") or {}).values():
+        name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+        if any(name == t or name.endswith("." + t) for t in types):
+            return True
+    return False
+
+
+def _from_autocast(node: torch.fx.Node) -> bool:
+    # After run_decompositions() the wrap_with_autocast region is inlined; its nodes keep
+    # provenance (meta["from_node"]) pointing at the HOP they came from.
+    stack = list(node.meta.get("from_node") or [])
+    while stack:
+        src = stack.pop()
+        if "wrap_with_autocast" in str(getattr(src, "target", "")):
+            return True
+        stack.extend(getattr(src, "from_node", None) or [])
+    return False
+
+
+def _autocast_hop(node: torch.fx.Node) -> Decision:
+    # wrap_with_autocast(device_type, dtype, enabled, cache_enabled, submod, *operands)
+    _device, dtype, enabled = node.args[:3]
+    fp32 = not enabled or dtype == torch.float32
+    return Decision(FP32 if fp32 else UNCHANGED, "autocast_region")
+
+
+def _fixed_rule(node: torch.fx.Node, cfg: AutocastConfig, amax: dict | None) -> Decision | None:
+    """Rules that depend on the node alone (everything but widest/default)."""
+    target = node.target
+    if isinstance(target, HigherOrderOperator):
+        if target is torch.ops.higher_order.wrap_with_autocast:
+            return _autocast_hop(node)
+        return Decision(FP32, "higher_order_op")
+    if _from_autocast(node):
+        return Decision(UNCHANGED, "autocast_region")
+    outs = tensors(node.meta.get("val"))
+    ins = tensor_inputs(node)
+    index_op = packet_of(target) in INDEX_ARG_OPS
+    if not any(t.is_floating_point() for t in outs) or any(
+            not v.is_floating_point() and not index_op for _, v in ins):
+        return Decision(UNCHANGED, "integer_op")
+    if packet_of(target) in CAST_OPS:
+        return Decision(UNCHANGED, "explicit_cast")
+    floats = [t for t in outs if t.is_floating_point()] + [v for _, v in ins if v.is_floating_point()]
+    if any(t.dtype != torch.float32 for t in floats):
+        return Decision(UNCHANGED, "non_fp32_dtype")
+    if not ins:
+        return Decision(UNCHANGED, "constant")
+    if _in_integer_layer(node, cfg.integer_module_types):
+        return Decision(FP32, "integer_layer")
+    if any(p.search(node.name) for p in cfg.node_patterns):
+        return Decision(FP32, "nodes_to_exclude")
+    if target in cfg.excluded_targets:
+        return Decision(FP32, "targets_to_exclude")
+    if target in cfg.fp32_targets:
+        return Decision(FP32, "fp32_ops")
+    for cond in cfg.conditionals:
+        if cond.matches(target):
+            value = arg_value(node, cond.arg)
+            if value is not _MISSING and value in cond.values:
+                return Decision(FP32, "conditional_fp32_ops")
+    if cfg.max_depth_of_reduction is not None and too_deep(node, cfg.max_depth_of_reduction):
+        return Decision(FP32, "max_depth_of_reduction")
+    if amax is not None and node.name in amax and not amax[node.name] <= cfg.data_max:
+        return Decision(FP32, "data_max")
+    if cfg.low_targets is not None and target in cfg.low_targets:
+        return Decision(cfg.low_name, "low_precision_ops")
+    return None
+
+
+def _widest(node, cfg, decisions, free) -> Decision | None:
+    """fp32 if any computed float input is fp32, else low; None if every input is free
+    (a parameter, buffer, constant, or something made only from them)."""
+    precisions = set()
+    for a, val in tensor_inputs(node):
+        src = producer(a)
+        if src in free or not val.is_floating_point():
+            continue
+        d = decisions.get(src)
+        precisions.add(cfg.low_name if d is not None and d.low else FP32)
+    if not precisions:
+        return None
+    return Decision(FP32 if FP32 in precisions else cfg.low_name, "widest_type")
+
+
+def consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Users that compute with the value: through getitem, skipping asserts/sym_size."""
+    out = []
+    for u in node.users:
+        if u.op == "call_function" and is_structural(u):
+            if u.target is operator.getitem:
+                out.extend(consumers(u))
+            continue
+        out.append(u)
+    return out
+
+
+def _follow_consumers(node, cfg, decisions) -> Decision:
+    users = consumers(node)
+    low = bool(users) and all(u in decisions and decisions[u].low for u in users)
+    return Decision(cfg.low_name if low else FP32, "follows_consumers")
+
+
+def classify(program: ExportedProgram, cfg: AutocastConfig,
+             amax: dict[str, float] | None = None) -> dict[torch.fx.Node, Decision]:
+    """Decision for every computing call_function node of program.graph."""
+    graph = program.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs = program.graph_signature.input_specs
+    free = {n for n, s in zip(placeholders, specs) if s.kind != InputKind.USER_INPUT}
+    decisions: dict[torch.fx.Node, Decision] = {}
+    pending: list[torch.fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            free.add(node)
+        if node.op != "call_function" or is_structural(node):
+            continue
+        d = _fixed_rule(node, cfg, amax)
+        if d is not None and d.rule == "constant":
+            free.add(node)
+        widest = packet_of(node.target) in WIDEST_TYPE_OPS
+        if d is None and widest:
+            d = _widest(node, cfg, decisions, free)
+            if d is None:
+                free.add(node)
+                pending.append(node)
+                continue
+        if d is None:
+            d = Decision(FP32, "not_in_low_precision_ops") if cfg.low_targets is not None \
+                else Decision(cfg.low_name, "default_low_precision")
+        decisions[node] = d
+    # Consumers come later in topological order, so resolve free nodes back to front.
+    for node in reversed(pending):
+        decisions[node] = _follow_consumers(node, cfg, decisions)
+    return decisions

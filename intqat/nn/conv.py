@@ -1,0 +1,188 @@
+"""Quantized Conv2d layers, sharing the Parameters of the nn.Conv2d (and BatchNorm2d) they replace.
+
+BatchNorm folding (Conv2d followed by BatchNorm2d), with sf = gamma / sqrt(running_var + eps):
+    w_fold = W * sf[o]            b_fold = beta + (b - running_mean) * sf[o]
+The integer conv quantizes w_fold per output channel, so deployment needs no BatchNorm at all.
+While BN statistics are live (fake-quant stage, before `freeze_bn_stats`), FakeQuantConv2d uses
+torch.ao's ConvBn2d scheme: conv(fq(x), fq(w_fold)) / sf, then BatchNorm with batch statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from intqat.config import QuantConfig
+from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
+from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
+from intqat.ops.int_linear import rounded_zero_point
+from intqat.ops.qparams import SCALE_EPS
+from intqat.ops.quant import quantize
+
+__all__ = ["FakeQuantConv2d", "IntConv2d", "DeployedIntConv2d", "conv_padding"]
+
+
+def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
+    """Numeric symmetric padding of a conv, or None when the integer path cannot express it."""
+    if conv.padding_mode != "zeros":
+        return None
+    if conv.padding == "valid":
+        return (0, 0)
+    if conv.padding == "same":
+        pads = []
+        for k, d in zip(conv.kernel_size, conv.dilation):
+            total = d * (k - 1)
+            if total % 2:
+                return None  # torch pads asymmetrically here
+            pads.append(total // 2)
+        return tuple(pads)
+    return tuple(conv.padding)
+
+
+class _QuantConvBase(nn.Module):
+    def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d | None, input_quantizer, weight_quantizer):
+        super().__init__()
+        self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
+        self.kernel_size, self.stride, self.dilation, self.groups = conv.kernel_size, conv.stride, conv.dilation, conv.groups
+        self.padding = conv_padding(conv)
+        if self.padding is None:
+            raise ValueError(
+                f"cannot quantize {conv}: padding_mode={conv.padding_mode!r} / padding={conv.padding!r} has "
+                "no symmetric zero padding"
+            )
+        self.weight = conv.weight
+        self.bias = conv.bias
+        self.bn = bn  # the original BatchNorm2d (same Parameters and running stats), or None
+        self.register_buffer("bn_frozen", torch.zeros((), dtype=torch.bool))
+        self.input_quantizer = input_quantizer
+        self.weight_quantizer = weight_quantizer
+
+    def _bn_scale(self) -> Tensor:
+        """sf = gamma / sqrt(running_var + eps), (O,)"""
+        bn = self.bn
+        gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
+        return gamma * torch.rsqrt(bn.running_var + bn.eps)
+
+    def folded(self) -> tuple[Tensor, Tensor | None]:
+        """(w_fold, b_fold) from running statistics; differentiable w.r.t. W, b, gamma and beta."""
+        if self.bn is None:
+            return self.weight, self.bias
+        sf = self._bn_scale()
+        w = self.weight * sf.reshape(-1, 1, 1, 1)
+        b = self.bias if self.bias is not None else torch.zeros_like(sf)
+        beta = self.bn.bias if self.bn.affine else torch.zeros_like(sf)
+        return w, beta + (b - self.bn.running_mean) * sf
+
+    def freeze_bn_stats(self, frozen: bool = True) -> None:
+        self.bn_frozen.fill_(frozen)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={tuple(self.kernel_size)}, stride={tuple(self.stride)}, "
+            f"padding={self.padding}, dilation={tuple(self.dilation)}, groups={self.groups}, bn_folded={self.bn is not None}"
+        )
+
+
+class FakeQuantConv2d(_QuantConvBase):
+    @classmethod
+    def from_conv(cls, conv: nn.Conv2d, config: QuantConfig, bn: nn.BatchNorm2d | None = None) -> "FakeQuantConv2d":
+        dev = conv.weight.device
+        mod = cls(conv, bn, ActivationQuantizer(config.activation).to(dev), None)
+        w_init = mod.folded()[0] if bn is not None else conv.weight
+        mod.weight_quantizer = WeightQuantizer(config.weight, w_init.detach()).to(dev)
+        return mod
+
+    def _conv(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x_hat = self.input_quantizer.fake_quant(x)
+        if self.bn is None or self.bn_frozen or not self.training:
+            w, b = self.folded()
+            return self._conv(x_hat, self.weight_quantizer.fake_quant(w), b)
+        # live BN statistics: fold with running stats for quantization, undo the scaling, let BN
+        # normalise with batch statistics (and update its running stats), as torch.ao's ConvBn2d
+        sf = self._bn_scale()
+        w = self.weight * sf.reshape(-1, 1, 1, 1)
+        y = self._conv(x_hat, self.weight_quantizer.fake_quant(w), None) / sf.reshape(1, -1, 1, 1)
+        if self.bias is not None:
+            y = y + self.bias.reshape(1, -1, 1, 1)
+        return self.bn(y)
+
+
+class IntConv2d(_QuantConvBase):
+    """Integer conv (im2col of int8 codes + int_mm). BN, if any, is folded with its running stats."""
+
+    @classmethod
+    def from_fake_quant(cls, fq: FakeQuantConv2d) -> "IntConv2d":
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        for name in ("in_channels", "out_channels", "kernel_size", "stride", "dilation", "groups", "padding"):
+            setattr(mod, name, getattr(fq, name))
+        mod.weight, mod.bias, mod.bn = fq.weight, fq.bias, fq.bn
+        mod.register_buffer("bn_frozen", torch.ones((), dtype=torch.bool))  # integer convs fold running stats
+        mod.input_quantizer, mod.weight_quantizer = fq.input_quantizer, fq.weight_quantizer
+        return mod
+
+    def _op_args(self):
+        aq, wq = self.input_quantizer, self.weight_quantizer
+        return dict(stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
+                    x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic)
+
+    def forward(self, x: Tensor) -> Tensor:
+        aq = self.input_quantizer
+        if aq.observing:
+            aq.observe(x)
+        if not aq.dynamic:
+            aq._check_ready()
+        w, b = self.folded()
+        w_scale = self.weight_quantizer.channel_scale(w)
+        if self.training and torch.is_grad_enabled():
+            return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
+        with torch.no_grad():
+            return self.to_deployed(w, b, w_scale)(x)
+
+    @torch.no_grad()
+    def to_deployed(self, w: Tensor | None = None, b: Tensor | None = None, w_scale: Tensor | None = None) -> "DeployedIntConv2d":
+        """Freeze: folded int8 weight codes as buffers."""
+        if w is None:
+            w, b = self.folded()
+            w_scale = self.weight_quantizer.channel_scale(w)
+        aq, wq = self.input_quantizer, self.weight_quantizer
+        w_scale = w_scale.detach().reshape(-1).to(torch.float32)
+        q_w = quantize(w.detach().reshape(w.shape[0], -1), w_scale, 0, wq.qmin, wq.qmax, axis=0).reshape(w.shape)
+        z_x = torch.zeros(1, dtype=torch.int32, device=w.device) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
+        return DeployedIntConv2d(
+            q_w, w_scale, None if b is None else b.detach().clone(), aq.scale.detach().clone(), z_x,
+            aq.qmin, aq.qmax, aq.dynamic, self.stride, self.padding, self.dilation, self.groups,
+        )
+
+
+class DeployedIntConv2d(nn.Module):
+    """Inference-only integer conv with int8 (BN-folded) weights: what `torch.export` packages."""
+
+    def __init__(self, q_w, w_scale, bias, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic, stride, padding, dilation, groups):
+        super().__init__()
+        self.register_buffer("q_w", q_w)  # (O, C/g, kh, kw) int8
+        self.register_buffer("w_colsum", q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32))
+        self.register_buffer("w_scale", w_scale)
+        self.register_buffer("bias", bias)
+        self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
+        self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))
+        self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
+        self.pad_value = int(x_zero_point.reshape(-1)[0])  # known when frozen: a plain constant pad
+        self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.to(torch.float32)
+        if self.x_dynamic:
+            s = torch.clamp(x.abs().amax() / self.x_qmax, min=SCALE_EPS).reshape(1, 1)
+            q_x = quantize(x, s.reshape(()), 0, self.x_qmin, self.x_qmax)
+            colsum = torch.zeros_like(self.w_colsum[:1])
+        else:
+            s = self.x_scale.reshape(1, 1)
+            q_x = quantize(x, s.reshape(()), self.x_zero_point.reshape(()), self.x_qmin, self.x_qmax)
+            colsum = self.w_colsum
+        return conv_codes_forward(q_x, self.x_zero_point, s, self.q_w, colsum, self.w_scale, self.bias,
+                                  self.stride, self.padding, self.dilation, self.groups, self.pad_value)

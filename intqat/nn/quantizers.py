@@ -1,0 +1,161 @@
+"""The state of one quantized tensor: scales, zero points, observers.
+
+ActivationQuantizer  static (observed, optionally LSQ-learned) per-tensor qparams, or dynamic per token.
+WeightQuantizer      per-channel / per-tensor symmetric weight scales: the weight's own min-max at
+                     every step, or LSQ-learned.
+Both are shared, unchanged, by the fake-quant and the integer modules: the swap hands them over.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from intqat.config import QuantSpec
+from intqat.nn.fake_quantize import fake_quantize_ste
+from intqat.ops.qparams import SCALE_EPS, _scale_zero_point
+
+__all__ = ["ActivationQuantizer", "WeightQuantizer"]
+
+
+def _all_reduce_(t: Tensor, op) -> Tensor:
+    """Keep observers identical on every rank under DDP (each rank sees other batches)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op)
+    return t
+
+
+class ActivationQuantizer(nn.Module):
+    """Quantization state of a layer's input activations.
+
+    Static: `scale` (1,) and `zero_point` (1,) float, set by the observer while `observer_enabled`,
+    learned by LSQ / LSQ+ when spec.learnable. Dynamic: nothing stored; scales come per token.
+    """
+
+    def __init__(self, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+        self.qmin, self.qmax = spec.qmin, spec.qmax
+        self.dynamic = spec.dynamic
+        scale = torch.ones(1)
+        zero_point = torch.zeros(1)
+        if spec.learnable:
+            self.scale = nn.Parameter(scale)
+            # LSQ+: a learned zero point only makes sense for asymmetric ranges
+            if spec.symmetric:
+                self.register_buffer("zero_point", zero_point)
+            else:
+                self.zero_point = nn.Parameter(zero_point)
+        else:
+            self.register_buffer("scale", scale)
+            self.register_buffer("zero_point", zero_point)
+        self.register_buffer("min_val", torch.zeros(1))
+        self.register_buffer("max_val", torch.zeros(1))
+        self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
+        self.register_buffer("observer_enabled", torch.ones((), dtype=torch.bool))
+
+    # -- observing ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def observe(self, x: Tensor) -> None:
+        """Update min/max from a batch and set scale / zero point from them."""
+        if self.dynamic or x.numel() == 0:
+            return
+        x = x.detach().to(torch.float32)
+        if self.spec.observer == "percentile":
+            flat = x.reshape(-1)
+            if flat.numel() > 1 << 20:  # torch.quantile's input limit; a strided sample is plenty
+                flat = flat[:: flat.numel() // (1 << 20) + 1]
+            p = self.spec.percentile / 100.0
+            lo, hi = torch.quantile(flat, torch.tensor([1.0 - p, p], device=flat.device)).split(1)
+        else:
+            lo, hi = x.min().reshape(1), x.max().reshape(1)
+        lo = _all_reduce_(lo.clone(), dist.ReduceOp.MIN)
+        hi = _all_reduce_(hi.clone(), dist.ReduceOp.MAX)
+        if not bool(self.initialized) or self.spec.observer == "minmax":
+            first = not bool(self.initialized)
+            self.min_val.copy_(lo if first else torch.minimum(self.min_val, lo))
+            self.max_val.copy_(hi if first else torch.maximum(self.max_val, hi))
+        else:  # moving_average and percentile: exponential moving average of the range
+            c = self.spec.averaging_constant
+            self.min_val.add_(c * (lo - self.min_val))
+            self.max_val.add_(c * (hi - self.max_val))
+        self.initialized.fill_(True)
+        scale, zero_point = _scale_zero_point(self.min_val, self.max_val, self.qmin, self.qmax, self.spec.symmetric)
+        self.scale.data.copy_(scale)
+        self.zero_point.data.copy_(zero_point.to(torch.float32))
+
+    def enable_observer(self, enabled: bool = True) -> None:
+        self.observer_enabled.fill_(enabled)
+
+    @property
+    def observing(self) -> bool:
+        return self.training and not self.dynamic and bool(self.observer_enabled)
+
+    # -- use -----------------------------------------------------------------------------
+    def dynamic_scale(self, x2d: Tensor) -> Tensor:
+        """Per-token symmetric scales (M,) from rows of x2d (M, K), the integer op's formula."""
+        return torch.clamp(x2d.detach().abs().amax(dim=1) / self.qmax, min=SCALE_EPS)
+
+    def fake_quant(self, x: Tensor) -> Tensor:
+        """The fp32 simulation of what the integer op feeds its int_mm."""
+        if self.dynamic:
+            x2d = x.reshape(-1, x.shape[-1])
+            s = self.dynamic_scale(x2d)
+            z = torch.zeros_like(s)
+            return fake_quantize_ste(x2d, s, z, self.qmin, self.qmax, axis=0).reshape(x.shape)
+        if self.observing:
+            self.observe(x)
+        self._check_ready()
+        return fake_quantize_ste(x, self.scale, self.zero_point, self.qmin, self.qmax)
+
+    def _check_ready(self) -> None:
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            return  # traced programs cannot branch on buffer values; eager runs checked already
+        if not bool(self.initialized) and not self.spec.learnable:
+            raise RuntimeError(
+                "activation quantizer has no scale yet: run training batches with the observer enabled "
+                "(model.train()) or calibrate before evaluating"
+            )
+
+    def extra_repr(self) -> str:
+        kind = "dynamic per-token" if self.dynamic else "static per-tensor"
+        return f"{kind}, bits={self.spec.bits}, symmetric={self.spec.symmetric}, learnable={self.spec.learnable}"
+
+
+class WeightQuantizer(nn.Module):
+    """Symmetric weight scales, one per output channel (dim 0) or one for the tensor.
+
+    Not learnable: the scale is the weight's own max|W| / qmax at every step (it never clips).
+    Learnable: an LSQ parameter initialised from that min-max.
+    """
+
+    def __init__(self, spec: QuantSpec, weight: Tensor):
+        super().__init__()
+        self.spec = spec
+        self.qmin, self.qmax = spec.qmin, spec.qmax
+        self.per_channel = spec.granularity == "channel"
+        self.register_buffer("zero_point", torch.zeros(weight.shape[0] if self.per_channel else 1))
+        if spec.learnable:
+            self.scale = nn.Parameter(self.minmax_scale(weight.detach()))
+        else:
+            self.scale = None
+
+    def minmax_scale(self, weight: Tensor) -> Tensor:
+        w = weight.detach().reshape(weight.shape[0], -1)
+        amax = w.abs().amax(dim=1) if self.per_channel else w.abs().amax().reshape(1)
+        return torch.clamp(amax / self.qmax, min=SCALE_EPS)
+
+    def channel_scale(self, weight: Tensor) -> Tensor:
+        """The (N,) scale the integer op takes (per-tensor scales are expanded, gradient still flows)."""
+        s = self.scale if self.scale is not None else self.minmax_scale(weight)
+        return s.expand(weight.shape[0]) if s.numel() == 1 else s
+
+    def fake_quant(self, weight: Tensor) -> Tensor:
+        s = self.channel_scale(weight)
+        z = self.zero_point.expand(weight.shape[0]) if self.zero_point.numel() == 1 else self.zero_point
+        return fake_quantize_ste(weight, s, z, self.qmin, self.qmax, axis=0)
+
+    def extra_repr(self) -> str:
+        kind = "per-channel" if self.per_channel else "per-tensor"
+        return f"{kind}, bits={self.spec.bits}, learnable={self.spec.learnable}"

@@ -1,0 +1,27 @@
+"""Which implementation runs an integer op.
+
+- CUDA tensors: the Triton kernels in `intqat.kernels`.
+- CPU tensors: `torch._int_mm` (AMX / VNNI int8 units; ~100x faster than out_dtype's fallback).
+- `INTQAT_BACKEND=triton`: the Triton kernels on CPU too, through the interpreter. Set
+  `TRITON_INTERPRET=1` before triton is imported; that is how tests check the kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_CHOICES = ("auto", "torch", "triton")
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """'triton' or 'torch' for tensors living where t lives."""
+    choice = os.environ.get("INTQAT_BACKEND", "auto").lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"INTQAT_BACKEND must be one of {_CHOICES}, got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    if choice == "torch":
+        return "torch"
+    return "triton" if t.is_cuda else "torch"

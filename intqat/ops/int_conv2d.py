@@ -1,0 +1,218 @@
+"""Differentiable integer 2-D convolution: im2col of int8 codes + int_mm, fp32 STE backward.
+
+Forward, x (B, C, H, W), W (O, C/g, kh, kw):
+    q_x  = quantize(x, s_x, z_x)                           per tensor (static, or dynamic symmetric)
+    cols = im2col(pad(q_x, value=z_x))                     (B*Ho*Wo, C*kh*kw) int8; padding holds the
+                                                           code of 0.0 so it adds exactly nothing
+    acc  = int_mm(cols_g, q_w_gᵀ) - z_x * colsum(q_w_g)    per group g, int32, exact
+    y    = float32(acc) * (s_x * s_w[o]) + b[o]
+Backward (STE): aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w),
+then the clip masks, and LSQ gradients for learned scales, as in int_linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from intqat.ops.int_linear import integer_epilogue, rounded_zero_point
+from intqat.ops.int_mm import int_mm
+from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.qparams import SCALE_EPS
+from intqat.ops.quant import check_qrange, quantize, quantize_with_mask
+
+__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size"]
+
+
+def conv_output_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
+    return (size + 2 * pad - dil * (k - 1) - 1) // stride + 1
+
+
+def _pad_codes(q: Tensor, z: Tensor | int, ph: int, pw: int) -> Tensor:
+    """Pad int8 codes with the code of 0.0 (the zero point)."""
+    if isinstance(z, int):
+        return F.pad(q, (pw, pw, ph, ph), value=z)
+    # z as a tensor (traced programs cannot read its value): pad with 0, then write z on the border
+    border = F.pad(torch.zeros_like(q[:1, :1], dtype=torch.bool), (pw, pw, ph, ph), value=True)
+    return torch.where(border, z.reshape(()).to(torch.int8), F.pad(q, (pw, pw, ph, ph), value=0))
+
+
+def _im2col(q: Tensor, z: Tensor | int, kernel, stride, padding, dilation) -> tuple[Tensor, int, int]:
+    """(B, C, H, W) int8 -> (B*Ho*Wo, C*kh*kw) int8, column order (c, i, j) like the weight."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    B, C, H, W = q.shape
+    if ph or pw:
+        q = _pad_codes(q, z, ph, pw)
+    ext_h, ext_w = dh * (kh - 1) + 1, dw * (kw - 1) + 1
+    u = q.unfold(2, ext_h, sh).unfold(3, ext_w, sw)[..., ::dh, ::dw]  # (B, C, Ho, Wo, kh, kw) view
+    Ho, Wo = u.shape[2], u.shape[3]
+    return u.permute(0, 2, 3, 1, 4, 5).reshape(B * Ho * Wo, C * kh * kw), Ho, Wo
+
+
+def conv_codes_forward(
+    q_x: Tensor, z_x: Tensor, s_x: Tensor, q_w: Tensor, w_colsum: Tensor, w_scale: Tensor,
+    bias: Tensor | None, stride, padding, dilation, groups: int, pad_value: int | None = None,
+) -> Tensor:
+    """Integer conv from codes: q_x (B, C, H, W) int8, q_w (O, C/g, kh, kw) int8 -> y (B, O, Ho, Wo) fp32.
+    pad_value: z_x as a Python int when known (faster padding); None reads it from the tensor z_x."""
+    B = q_x.shape[0]
+    O, _, kh, kw = q_w.shape
+    cols, Ho, Wo = _im2col(q_x, z_x if pad_value is None else pad_value, (kh, kw), stride, padding, dilation)
+    qw2 = q_w.reshape(O, -1)
+    kg, og = qw2.shape[1], O // groups
+    outs = []
+    for g in range(groups):
+        acc = int_mm(cols[:, g * kg : (g + 1) * kg], qw2[g * og : (g + 1) * og].t())  # (B*L, O/g) int32
+        sl = slice(g * og, (g + 1) * og)
+        outs.append(
+            integer_epilogue(acc, z_x, w_colsum[sl] if w_colsum.numel() > 1 else w_colsum, s_x, w_scale[sl],
+                             None if bias is None else bias[sl])
+        )
+    y = outs[0] if groups == 1 else torch.cat(outs, dim=1)
+    return y.reshape(B, Ho, Wo, O).permute(0, 3, 1, 2).contiguous()
+
+
+def _quantize_input(x, x_scale, x_zero_point, qmin, qmax, dynamic, need_mask):
+    if dynamic:
+        s = torch.clamp(x.detach().abs().amax() / qmax, min=SCALE_EPS).reshape(1, 1)
+        z = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return quantize(x, s.reshape(()), 0, qmin, qmax), None, s, z
+    s = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
+    z = rounded_zero_point(x_zero_point, qmin, qmax)
+    if need_mask:
+        q, m = quantize_with_mask(x, s.reshape(()), z.reshape(()), qmin, qmax)
+        return q, m, s, z
+    return quantize(x, s.reshape(()), z.reshape(()), qmin, qmax), None, s, z
+
+
+@torch.library.custom_op("intqat::int_conv2d", mutates_args=())
+def _int_conv2d_op(
+    x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor, w_scale: Tensor,
+    stride: list[int], padding: list[int], dilation: list[int], groups: int,
+    x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int, x_dynamic: bool, w_clip_mask: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y fp32, q_x int8, mask_x, q_w int8, mask_w, s_x (1, 1), z_x int32 (1,)); empty masks when unused."""
+    q_x, mask_x, s_x, z_x = _quantize_input(x, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic, not x_dynamic)
+    w2 = weight.detach().reshape(weight.shape[0], -1)
+    ws = w_scale.detach().reshape(-1)
+    if w_clip_mask:
+        q_w, mask_w = quantize_with_mask(w2, ws, 0, w_qmin, w_qmax, axis=0)
+    else:
+        q_w, mask_w = quantize(w2, ws, 0, w_qmin, w_qmax, axis=0), None
+    q_w = q_w.reshape(weight.shape)
+    colsum = torch.zeros(1, dtype=torch.int32, device=x.device) if x_dynamic else q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32)
+    y = conv_codes_forward(q_x, z_x, s_x, q_w, colsum, ws, None if bias is None else bias.detach(),
+                           stride, padding, dilation, groups, pad_value=int(z_x))
+    empty = lambda: torch.empty(0, dtype=torch.bool, device=x.device)  # noqa: E731 (outputs may not alias)
+    return (y, q_x, mask_x if mask_x is not None else empty(), q_w,
+            mask_w.reshape(weight.shape) if mask_w is not None else empty(), s_x, z_x)
+
+
+@_int_conv2d_op.register_fake
+def _(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
+      x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask):
+    B, _, H, W = x.shape
+    O, _, kh, kw = weight.shape
+    Ho = conv_output_size(H, kh, stride[0], padding[0], dilation[0])
+    Wo = conv_output_size(W, kw, stride[1], padding[1], dilation[1])
+    return (
+        x.new_empty((B, O, Ho, Wo)),
+        x.new_empty(x.shape, dtype=torch.int8),
+        x.new_empty(x.shape if not x_dynamic else (0,), dtype=torch.bool),
+        x.new_empty(weight.shape, dtype=torch.int8),
+        x.new_empty(weight.shape if w_clip_mask else (0,), dtype=torch.bool),
+        x.new_empty((1, 1)),
+        x.new_empty((1,), dtype=torch.int32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    (x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
+     x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _) = inputs
+    _, q_x, mask_x, q_w, mask_w, s_x, z_x = output
+    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    w_lsq = w_scale.requires_grad
+    ctx.save_for_backward(q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale,
+                          x if x_lsq else None, weight if w_lsq else None)
+    ctx.conv = (stride, padding, dilation, groups)
+    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.x_lsq, ctx.has_bias = x_lsq, bias is not None
+    ctx.shapes = (x_scale.shape, x_zero_point.shape, w_scale.shape)
+
+
+def _backward(ctx, g, *_unused):
+    q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conv
+    x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
+    sx_shape, zx_shape, sw_shape = ctx.shapes
+    need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
+    g = g.to(torch.float32).contiguous()
+    ws = w_scale.detach().reshape(-1, 1, 1, 1).to(torch.float32)
+    x_hat = (q_x.to(torch.float32) - z_x.to(torch.float32)) * s_x.reshape(())
+    w_hat = q_w.to(torch.float32) * ws
+    grad_xhat, grad_what, grad_b = torch.ops.aten.convolution_backward(
+        g, x_hat, w_hat, [w_hat.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
+        False, [0, 0], groups, [need_x or need_sx or need_zx, need_w or need_sw, need_b and ctx.has_bias],
+    )
+    grad_x = grad_w = grad_sx = grad_zx = grad_sw = None
+    if need_x:
+        grad_x = grad_xhat * mask_x if mask_x.numel() else grad_xhat
+    if ctx.x_lsq and (need_sx or need_zx):
+        m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
+        gf = lsq_grad_factor(q_x.numel(), x_qmax)
+        s = s_x.reshape(())
+        if need_sx:
+            ds = lsq_scale_grad_elem(q_x, m, x.detach().to(torch.float32), s, z_x.reshape(()), x_qmin, x_qmax)
+            grad_sx = ((grad_xhat * ds).sum() * gf).reshape(sx_shape)
+        if need_zx:
+            grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(zx_shape)
+    if need_w:
+        grad_w = grad_what * mask_w if mask_w.numel() else grad_what
+    if need_sw:
+        m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
+        ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), ws, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
+        gf = lsq_grad_factor(q_w[0].numel(), w_qmax)
+        grad_sw = ((grad_what * ds).sum(dim=(1, 2, 3)) * gf).reshape(sw_shape)
+    return (grad_x, grad_w, grad_b if ctx.has_bias else None, grad_sx, grad_zx, grad_sw) + (None,) * 10
+
+
+torch.library.register_autograd("intqat::int_conv2d", _backward, setup_context=_setup_context)
+
+
+def _pair(v) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
+
+
+def int_conv2d(
+    x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None, x_zero_point: Tensor | None,
+    w_scale: Tensor, *, stride=1, padding=0, dilation=1, groups: int = 1,
+    x_qmin: int = -128, x_qmax: int = 127, w_qmin: int = -127, w_qmax: int = 127,
+    x_dynamic: bool = False, w_clip_mask: bool | None = None,
+) -> Tensor:
+    """Integer conv2d, differentiable (STE + LSQ). x (B, C, H, W) float; weight (O, C/groups, kh, kw);
+    w_scale (O,); static activations: x_scale (1,), x_zero_point (1,). Padding must be numeric
+    (string padding is resolved by IntConv2d)."""
+    if x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"int_conv2d: x must be a float (B, C, H, W) tensor, got {x.dtype} {tuple(x.shape)}")
+    if weight.dim() != 4 or x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
+        raise ValueError(
+            f"int_conv2d: weight {tuple(weight.shape)} (O, C/groups, kh, kw) does not fit x {tuple(x.shape)} "
+            f"with groups={groups}"
+        )
+    if w_scale.numel() != weight.shape[0]:
+        raise ValueError(f"int_conv2d: w_scale must have shape ({weight.shape[0]},), got {tuple(w_scale.shape)}")
+    check_qrange(x_qmin, x_qmax)
+    check_qrange(w_qmin, w_qmax)
+    if x_dynamic:
+        x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
+    elif x_scale is None or x_scale.numel() != 1 or x_zero_point is None or x_zero_point.numel() != 1:
+        raise ValueError("int_conv2d: static activations need x_scale and x_zero_point of shape (1,)")
+    x_zero_point = x_zero_point if x_zero_point.is_floating_point() else x_zero_point.to(torch.float32)
+    if w_clip_mask is None:
+        w_clip_mask = w_scale.requires_grad
+    return _int_conv2d_op(
+        x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale,
+        _pair(stride), _pair(padding), _pair(dilation), groups,
+        x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask,
+    )[0]

@@ -1,0 +1,308 @@
+"""The differentiable integer linear layer: int8 forward (the deployed arithmetic), fp32 STE backward.
+
+Forward, x (M, K) and W (N, K) in the nn.Linear layout (NUMERICS.md):
+    q_x = quantize(x, s_x, z_x)                  # static per-tensor, or dynamic per-token (z_x = 0)
+    q_w = quantize(W, s_w[n], 0)                 # symmetric, per output channel
+    acc = int_mm(q_x, q_wᵀ) - z_x * colsum(q_w)  # (M, N) int32, exact
+    y   = float32(acc) * (s_x[m] * s_w[n]) + b[n]
+Backward (straight-through, fp32) needs only the int8 codes, the clip masks and the scales:
+    grad_xhat = (g * s_w) @ float(q_w)           # (M, N) @ (N, K)
+    grad_x    = grad_xhat * mask_x
+    grad_what = gᵀ @ x_hat,  x_hat = (float(q_x) - z_x) * s_x
+    grad_w    = grad_what * mask_w
+plus LSQ gradients for learnable scales and the LSQ+ gradient for the activation zero point.
+
+`intqat::int_linear` is one torch.library custom op with `register_autograd`, so torch.compile and
+torch.export see a single opaque node. The functions `quantize_activation`, `quantize_weight`
+and `integer_epilogue` are what both the op and the deployed (eval / exported) module run, so
+training and deployment compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from intqat.ops.backend import backend_for
+from intqat.ops.int_mm import int_mm
+from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.qparams import SCALE_EPS
+from intqat.ops.quant import check_qrange, quantize, quantize_with_mask
+
+__all__ = [
+    "int_linear",
+    "quantize_activation",
+    "quantize_weight",
+    "integer_epilogue",
+    "rounded_zero_point",
+    "lsq_grad_factor",
+]
+
+
+def _no_mask(like: Tensor) -> Tensor:
+    # A fresh empty tensor each time: custom op outputs may not alias each other.
+    return torch.empty(0, dtype=torch.bool, device=like.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces shared by the training op and the deployed module (same ops -> same bits)
+# ---------------------------------------------------------------------------------------------
+
+
+def rounded_zero_point(zero_point: Tensor, qmin: int, qmax: int) -> Tensor:
+    """A learnable (float) zero point as the integer the hardware uses: round, clamp -> int32 (1,)."""
+    return torch.round(zero_point.detach().reshape(1).to(torch.float32)).clamp_(qmin, qmax).to(torch.int32)
+
+
+def quantize_activation(
+    x: Tensor, x_scale: Tensor | None, z_x: Tensor, qmin: int, qmax: int, dynamic: bool, need_mask: bool
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """x (M, K) fp32 -> (q_x int8 (M, K), clip mask or None, s_x fp32 (M, 1) or (1, 1)).
+
+    dynamic: symmetric per-token scales from each row's absolute max, z_x = 0; nothing clips.
+    """
+    if dynamic:
+        s_x = torch.clamp(x.abs().amax(dim=1, keepdim=True) / qmax, min=SCALE_EPS)
+        return quantize(x, s_x.reshape(-1), 0, qmin, qmax, axis=0), None, s_x
+    s_x = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
+    if need_mask:
+        q_x, mask = quantize_with_mask(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax)
+        return q_x, mask, s_x
+    return quantize(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax), None, s_x
+
+
+def quantize_weight(
+    weight: Tensor, w_scale: Tensor, qmin: int, qmax: int, need_mask: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """W (N, K) fp32 -> (q_w int8 (N, K), clip mask bool (N, K) or None), symmetric per output channel."""
+    w, s = weight.detach(), w_scale.detach().reshape(-1)
+    if need_mask:
+        return quantize_with_mask(w, s, 0, qmin, qmax, axis=0)
+    return quantize(w, s, 0, qmin, qmax, axis=0), None
+
+
+def integer_epilogue(
+    acc: Tensor, z_x: Tensor, w_colsum: Tensor, s_x: Tensor, w_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """acc (M, N) int32 from int_mm(q_x, q_wᵀ) -> y (M, N) fp32, one rounding per step.
+
+    acc -= z_x * colsum(q_w)            (int32, exact)
+    y    = float32(acc) * (s_x[m] * s_w[n]) + b[n]
+    """
+    acc = acc - z_x * w_colsum
+    y = acc.to(torch.float32) * (s_x * w_scale.reshape(1, -1))
+    return y + bias if bias is not None else y
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("intqat::int_linear", mutates_args=())
+def _int_linear_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    x_scale: Tensor,
+    x_zero_point: Tensor,
+    w_scale: Tensor,
+    x_qmin: int,
+    x_qmax: int,
+    w_qmin: int,
+    w_qmax: int,
+    x_dynamic: bool,
+    x_clip_mask: bool,
+    w_clip_mask: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y (M, N) fp32, q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x int32 (1,)).
+
+    Masks are (M, K) / (N, K) bool when requested, else empty: the backward reads only what it needs.
+    """
+    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
+    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, x_clip_mask)
+    q_w, mask_w = quantize_weight(weight, w_scale, w_qmin, w_qmax, need_mask=w_clip_mask)
+    if backend_for(x) == "triton":
+        from intqat import kernels
+
+        w_colsum = q_w.sum(dim=1, dtype=torch.int32)
+        y = kernels.int_linear_forward(q_x, q_w, s_x.reshape(-1), z_x, w_scale.detach().reshape(-1), w_colsum, bias)
+    else:
+        acc = int_mm(q_x, q_w.t())
+        # colsum is only needed when z_x != 0; dynamic activations are symmetric
+        w_colsum = torch.zeros(1, dtype=torch.int32) if x_dynamic else q_w.sum(dim=1, dtype=torch.int32)
+        y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale.detach(), None if bias is None else bias.detach())
+    return (
+        y,
+        q_x,
+        mask_x if mask_x is not None else _no_mask(x),
+        q_w,
+        mask_w if w_clip_mask else _no_mask(x),
+        s_x,
+        z_x,
+    )
+
+
+@_int_linear_op.register_fake
+def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, x_clip_mask, w_clip_mask):
+    M, K = x.shape
+    N = weight.shape[0]
+    mask_x = x.new_empty((M, K) if (x_clip_mask and not x_dynamic) else (0,), dtype=torch.bool)
+    mask_w = x.new_empty((N, K) if w_clip_mask else (0,), dtype=torch.bool)
+    s_x = x.new_empty((M, 1) if x_dynamic else (1, 1), dtype=torch.float32)
+    return (
+        x.new_empty((M, N), dtype=torch.float32),
+        x.new_empty((M, K), dtype=torch.int8),
+        mask_x,
+        x.new_empty((N, K), dtype=torch.int8),
+        mask_w,
+        s_x,
+        x.new_empty((1,), dtype=torch.int32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _ = inputs
+    _, q_x, mask_x, q_w, mask_w, s_x, z_x = output
+    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    w_lsq = w_scale.requires_grad
+    # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
+    ctx.save_for_backward(
+        q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale,
+        x if x_lsq else None, weight if w_lsq else None,
+    )
+    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.x_lsq, ctx.w_lsq = x_lsq, w_lsq
+    ctx.has_bias = bias is not None
+    ctx.x_scale_shape = x_scale.shape
+    ctx.x_zero_point_shape = x_zero_point.shape
+    ctx.w_scale_shape = w_scale.shape
+
+
+def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x):
+    q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
+    x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
+    need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
+    g = g.to(torch.float32)
+    w_scale = w_scale.detach().reshape(-1).to(torch.float32)
+    grad_x = grad_w = grad_b = grad_sx = grad_zx = grad_sw = None
+    triton = backend_for(g) == "triton"
+    if triton:
+        from intqat import kernels
+
+    if need_x or need_sx or need_zx:
+        if triton:
+            grad_x, grad_xhat = kernels.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
+        else:
+            # grad_xhat = (g * s_w) @ float(q_w)       (M, N) @ (N, K) -> (M, K)
+            grad_xhat = (g * w_scale) @ q_w.to(torch.float32)
+            grad_x = grad_xhat * mask_x if mask_x.numel() else grad_xhat
+        if ctx.x_lsq:
+            m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
+            gf = lsq_grad_factor(q_x.numel(), x_qmax)
+            s = s_x.reshape(())
+            if need_sx:
+                ds = lsq_scale_grad_elem(q_x, m, x.to(torch.float32), s, z_x.reshape(()), x_qmin, x_qmax)
+                grad_sx = ((grad_xhat * ds).sum() * gf).reshape(ctx.x_scale_shape)
+            if need_zx:
+                # LSQ+: d x_hat / d z = 0 inside the range, -s outside
+                grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(ctx.x_zero_point_shape)
+    if need_w or need_sw:
+        if triton:
+            grad_w, grad_sw_raw = kernels.ste_grad_weight(
+                g, q_x, s_x.reshape(-1), z_x, mask_w if mask_w.numel() else None,
+                weight if need_sw else None, w_scale if need_sw else None, w_qmin, w_qmax,
+                lsq_grad_factor(q_w.shape[1], w_qmax),
+            )
+            grad_what = None
+        else:
+            # grad_what = gᵀ @ x_hat                   (N, M) @ (M, K) -> (N, K)
+            x_hat = (q_x.to(torch.float32) - z_x.to(torch.float32)) * s_x
+            grad_what = g.t() @ x_hat
+            grad_w = grad_what * mask_w if mask_w.numel() else grad_what
+        if need_sw:
+            if triton:
+                grad_sw = grad_sw_raw.reshape(ctx.w_scale_shape)
+            else:
+                m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
+                s = w_scale.reshape(-1, 1)
+                ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), s, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
+                gf = lsq_grad_factor(q_w.shape[1], w_qmax)
+                grad_sw = ((grad_what * ds).sum(dim=1) * gf).reshape(ctx.w_scale_shape)
+    if need_b and ctx.has_bias:
+        grad_b = g.sum(dim=0)
+    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic) -> None:
+    def bad(msg):
+        raise ValueError(f"int_linear: {msg}")
+
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1:
+        bad(f"x must be a floating-point tensor (..., K), got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if weight.dim() != 2 or not weight.is_floating_point():
+        bad(f"weight must be a 2-D float (N, K) tensor, got {weight.dtype} {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        bad(f"K mismatch: x is {tuple(x.shape)} (..., K) and weight is {tuple(weight.shape)} (N, K)")
+    if bias is not None and tuple(bias.shape) != (N,):
+        bad(f"bias must have shape ({N},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    if w_scale.numel() != N:
+        bad(f"w_scale must have one scale per output channel, shape ({N},), got {tuple(w_scale.shape)}")
+    if not x_dynamic:
+        if x_scale is None or x_scale.numel() != 1:
+            bad(f"static activations need a per-tensor x_scale of shape (1,), got {None if x_scale is None else tuple(x_scale.shape)}")
+        if x_zero_point is None or x_zero_point.numel() != 1:
+            bad(f"static activations need a per-tensor x_zero_point of shape (1,), got {None if x_zero_point is None else tuple(x_zero_point.shape)}")
+    for name, t in (("weight", weight), ("bias", bias), ("w_scale", w_scale), ("x_scale", x_scale)):
+        if t is not None and t.device != x.device:
+            bad(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def int_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    x_scale: Tensor | None,
+    x_zero_point: Tensor | None,
+    w_scale: Tensor,
+    *,
+    x_qmin: int = -128,
+    x_qmax: int = 127,
+    w_qmin: int = -127,
+    w_qmax: int = 127,
+    x_dynamic: bool = False,
+    w_clip_mask: bool | None = None,
+) -> Tensor:
+    """y = x @ Wᵀ + b through int8 codes and an int32 matmul; differentiable (STE + LSQ).
+
+    x (..., K) float, weight (N, K), bias (N,) or None, w_scale (N,) fp32 (learnable or not).
+    Static activations: x_scale (1,) and x_zero_point (1,) (float or int; learnable by LSQ / LSQ+).
+    `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
+    `w_clip_mask`: keep the weight clip mask for backward. Default: only when w_scale is learned
+    (a scale from the weight's own min-max never clips).
+    """
+    _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic)
+    check_qrange(x_qmin, x_qmax)
+    check_qrange(w_qmin, w_qmax)
+    if x_dynamic:
+        x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
+    else:
+        x_zero_point = x_zero_point.to(torch.float32) if not x_zero_point.is_floating_point() else x_zero_point
+    if w_clip_mask is None:
+        w_clip_mask = w_scale.requires_grad
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    y = _int_linear_op(
+        x2d, weight, bias, x_scale, x_zero_point, w_scale,
+        x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask,
+    )[0]
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,122 @@
+"""Affine quantize / dequantize with torch's own formula (see NUMERICS.md).
+
+    inv_s = float32(1 / s)
+    r     = nearbyint(x * inv_s) + z        # round half to even, before clamping
+    q     = clamp(r, qmin, qmax)            # int8 codes (4-bit codes too)
+    x_hat = (q - z) * s
+
+Multiplying by the float32 reciprocal (not dividing) is what makes
+`dequantize(quantize(x))` equal `torch.fake_quantize_per_*_affine` bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "check_qrange"]
+
+
+def check_qrange(qmin: int, qmax: int) -> None:
+    if not (-128 <= qmin < qmax <= 127):
+        raise ValueError(
+            f"quantization range [qmin={qmin}, qmax={qmax}] must satisfy -128 <= qmin < qmax <= 127 "
+            "(codes are stored in int8)"
+        )
+
+
+def _broadcast(p: Tensor | float | int, x: Tensor, axis: int | None, name: str) -> Tensor:
+    """Shape a scale / zero point so it broadcasts against x: () for per-tensor, along `axis` otherwise."""
+    p = torch.as_tensor(p, device=x.device)
+    if axis is None:
+        if p.numel() != 1:
+            raise ValueError(
+                f"per-tensor {name} must have one element, got shape {tuple(p.shape)}; "
+                f"pass axis=... for per-channel parameters"
+            )
+        return p.reshape(())
+    if p.numel() == 1 and p.dim() <= 1:
+        return p.reshape(())  # one value shared by every channel (e.g. a symmetric zero point of 0)
+    axis = axis % x.dim()
+    if p.dim() != 1 or p.numel() != x.shape[axis]:
+        raise ValueError(
+            f"per-channel {name} along axis {axis} must have shape ({x.shape[axis]},) for input of shape "
+            f"{tuple(x.shape)}, got {tuple(p.shape)}"
+        )
+    shape = [1] * x.dim()
+    shape[axis] = -1
+    return p.reshape(shape)
+
+
+def _rounded(x: Tensor, scale: Tensor, zero_point: Tensor | int) -> Tensor:
+    """r = nearbyint(x * float32(1/s)) + z, as a fresh float32 tensor (callers work in place on it)."""
+    if not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point input, got dtype {x.dtype}")
+    inv_scale = torch.reciprocal(scale.to(torch.float32))
+    r = x.to(torch.float32) * inv_scale
+    r.round_()  # torch.round is round-half-to-even, like nearbyint
+    if isinstance(zero_point, int) and zero_point == 0:
+        return r  # symmetric: adding an exact 0 changes no bit, skip the pass
+    return r.add_(zero_point.to(torch.float32))
+
+
+def _codes(x, scale, zero_point, qmin, qmax, axis, need_mask):
+    check_qrange(qmin, qmax)
+    s = _broadcast(scale, x, axis, "scale")
+    z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
+    r = _rounded(x, s, z)
+    if not need_mask:
+        return r.clamp_(qmin, qmax).to(torch.int8), None
+    clamped = r.clamp(qmin, qmax)
+    return clamped.to(torch.int8), clamped == r  # the clip mask: qmin <= r <= qmax
+
+
+def quantize(
+    x: Tensor,
+    scale: Tensor | float,
+    zero_point: Tensor | int,
+    qmin: int,
+    qmax: int,
+    axis: int | None = None,
+) -> Tensor:
+    """Float tensor -> int8 codes. `axis=None`: one scale; `axis=a`: scale[i] applies to x.select(a, i)."""
+    return _codes(x, scale, zero_point, qmin, qmax, axis, need_mask=False)[0]
+
+
+def quantize_with_mask(
+    x: Tensor,
+    scale: Tensor | float,
+    zero_point: Tensor | int,
+    qmin: int,
+    qmax: int,
+    axis: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Like `quantize`, plus torch's clip mask `(qmin <= r) & (r <= qmax)` (bool, x's shape).
+
+    The mask cannot be recovered from the codes (a code equal to qmax may or may not have been
+    clipped), so the straight-through backward needs it saved.
+    """
+    return _codes(x, scale, zero_point, qmin, qmax, axis, need_mask=True)
+
+
+def dequantize(
+    q: Tensor, scale: Tensor | float, zero_point: Tensor | int, axis: int | None = None
+) -> Tensor:
+    """int8 codes -> float32: (q - z) * s. (q - z) is an exact small integer, so one rounding."""
+    if q.dtype not in (torch.int8, torch.uint8, torch.int32):
+        raise ValueError(f"dequantize expects integer codes (int8/uint8/int32), got dtype {q.dtype}")
+    s = _broadcast(scale, q, axis, "scale").to(torch.float32)
+    z = _broadcast(zero_point, q, axis, "zero_point").to(torch.float32)
+    return (q.to(torch.float32) - z) * s
+
+
+def fake_quantize(
+    x: Tensor,
+    scale: Tensor | float,
+    zero_point: Tensor | int,
+    qmin: int,
+    qmax: int,
+    axis: int | None = None,
+) -> Tensor:
+    """dequantize(quantize(x)): the fp32 simulation of the codes (no autograd; see intqat.nn for STE)."""
+    return dequantize(quantize(x, scale, zero_point, qmin, qmax, axis), scale, zero_point, axis)

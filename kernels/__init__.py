@@ -1,0 +1,17 @@
+"""Triton kernels of intqat: int8 GEMM forward, fp32 straight-through backward.
+
+Each launcher is a ``torch.library.triton_op`` (namespace ``intqat``), so torch.compile and
+torch.export see one node per call. On a machine without a GPU the kernels run on CPU tensors
+in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before triton is first imported.
+"""
+
+from intqat.kernels.int_gemm import int_linear_accumulator, int_linear_forward, int_mm
+from intqat.kernels.ste_backward import ste_grad_input, ste_grad_weight
+
+__all__ = [
+    "int_mm",
+    "int_linear_accumulator",
+    "int_linear_forward",
+    "ste_grad_input",
+    "ste_grad_weight",
+]
