@@ -128,7 +128,8 @@ class IntConv2d(_QuantConvBase):
     def _op_args(self):
         aq, wq = self.input_quantizer, self.weight_quantizer
         return dict(stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
-                    x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic)
+                    x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
+                    w_clip_mask=wq.scale is not None)  # a min-max weight scale never clips
 
     def forward(self, x: Tensor) -> Tensor:
         aq = self.input_quantizer

@@ -71,7 +71,9 @@ class IntLinear(_QuantLinearBase):
 
     def _op_args(self):
         aq, wq = self.input_quantizer, self.weight_quantizer
-        return dict(x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic)
+        # a min-max weight scale (not learned) never clips: no weight mask to keep for backward
+        return dict(x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
+                    w_clip_mask=wq.scale is not None)
 
     def forward(self, x: Tensor) -> Tensor:
         aq = self.input_quantizer

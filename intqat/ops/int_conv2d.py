@@ -210,7 +210,7 @@ def int_conv2d(
         raise ValueError("int_conv2d: static activations need x_scale and x_zero_point of shape (1,)")
     x_zero_point = x_zero_point if x_zero_point.is_floating_point() else x_zero_point.to(torch.float32)
     if w_clip_mask is None:
-        w_clip_mask = w_scale.requires_grad
+        w_clip_mask = True  # a min-max scale never clips: callers holding one may pass False
     return _int_conv2d_op(
         x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale,
         _pair(stride), _pair(padding), _pair(dilation), groups,

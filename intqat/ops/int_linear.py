@@ -287,8 +287,8 @@ def int_linear(
     x (..., K) float, weight (N, K), bias (N,) or None, w_scale (N,) fp32 (learnable or not).
     Static activations: x_scale (1,) and x_zero_point (1,) (float or int; learnable by LSQ / LSQ+).
     `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
-    `w_clip_mask`: keep the weight clip mask for backward. Default: only when w_scale is learned
-    (a scale from the weight's own min-max never clips).
+    `w_clip_mask`: keep the weight clip mask for backward (default True). A caller whose w_scale is
+    the weight's own max|W| / qmax may pass False: such a scale never clips, the mask is all ones.
     """
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic)
     check_qrange(x_qmin, x_qmax)
@@ -298,7 +298,7 @@ def int_linear(
     else:
         x_zero_point = x_zero_point.to(torch.float32) if not x_zero_point.is_floating_point() else x_zero_point
     if w_clip_mask is None:
-        w_clip_mask = w_scale.requires_grad
+        w_clip_mask = True
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
     y = _int_linear_op(

@@ -30,6 +30,22 @@ def _check(a: Tensor, b: Tensor) -> None:
         raise ValueError(f"int_mm: a is on {a.device} and b on {b.device}; put both on one device")
 
 
+def _dense_layout(t: Tensor) -> Tensor:
+    """t itself if row-major, or column-major with no size-1 dim; else a row-major copy.
+
+    torch._int_mm (CPU, torch 2.13) returns wrong numbers for some layouts that involve size-1
+    dims, e.g. a (44, 1) view with strides (1, 44) times a (1, 56) view with strides (1, 1);
+    tests/test_int_mm.py keeps the cases. Those layouts only arise for degenerate shapes, so
+    the copy costs nothing that matters.
+    """
+    rows, cols = t.shape
+    if t.stride() == (cols, 1):
+        return t
+    if rows > 1 and cols > 1 and t.stride() == (1, rows):
+        return t
+    return torch.empty((rows, cols), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _int_mm_unchecked(a: Tensor, b: Tensor) -> Tensor:
     if backend_for(a) == "triton":
         from intqat import kernels
@@ -38,7 +54,7 @@ def _int_mm_unchecked(a: Tensor, b: Tensor) -> Tensor:
     if a.shape[0] == 0 or b.shape[1] == 0 or a.shape[1] == 0:
         # torch._int_mm returns uninitialised memory for K = 0 on some builds; the sum of nothing is 0.
         return torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
-    return torch._int_mm(a, b)
+    return torch._int_mm(_dense_layout(a), _dense_layout(b))
 
 
 def _int_mm_split_k(a: Tensor, b: Tensor) -> Tensor:
