@@ -2,7 +2,9 @@
 
 Each launcher is a ``torch.library.triton_op`` (namespace ``intqat``), so torch.compile and
 torch.export see one node per call. On a machine without a GPU the kernels run on CPU tensors
-in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before triton is first imported.
+in Triton's interpreter: ``TRITON_INTERPRET=1`` must be set before this package (and triton)
+is first imported. torch cannot trace interpreted kernels, so there the launchers are opaque
+custom ops with the same schema instead (int_gemm.kernel_op).
 """
 
 from intqat.kernels.int_gemm import int_linear_accumulator, int_linear_forward, int_mm

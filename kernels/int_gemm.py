@@ -9,12 +9,14 @@ One kernel serves four ops; a constexpr picks the epilogue:
 
 The linear ops read q_w (N, K) through its strides as b = q_wᵀ (K, N): no copy. Per-tensor
 vectors (scale / zero point of shape (1,)) are read with stride 0, per-row ones with their
-own stride, so one code path covers both.
+own stride, so one code path covers both. int32 accumulation is exact while the true
+|acc| < 2^31 (NUMERICS.md: K <= 131072 for int8 codes); beyond, it wraps like torch._int_mm.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextvars
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -22,8 +24,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-# int32 accumulation is exact while |sum_k (q_x - z_x) * q_w| < 2^31 (NUMERICS.md).
 _FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT_DTYPES = (torch.int32, torch.int64)  # zero points, column sums
 
 
 def get_autotune_config() -> list[triton.Config]:
@@ -215,13 +217,45 @@ def check_same_device(**tensors: Optional[Tensor]) -> None:
         raise ValueError(f"all tensors must be on one device, got {devices}")
 
 
-_INT_DTYPES = (torch.int32, torch.int64)
+# Under TRITON_INTERPRET=1, wrap_triton hands kernels back unwrapped (torch cannot trace the
+# interpreter's kernels), so triton_op's fake impl and its decomposition under torch.compile
+# would run them on fake tensors. There each launcher becomes an opaque custom op instead,
+# whose fake impl is the same function with the launches skipped.
+_launches_skipped = contextvars.ContextVar("intqat_kernel_launches_skipped", default=False)
+
+
+def launches_skipped() -> bool:
+    """True while a launcher runs as its own fake impl: allocate outputs, launch nothing."""
+    return _launches_skipped.get()
+
+
+def kernel_op(name: str) -> Callable:
+    """``torch.library.triton_op(name, mutates_args={})``; an opaque custom op when interpreting."""
+
+    def register(fn: Callable):
+        if not triton.knobs.runtime.interpret:
+            return triton_op(name, fn, mutates_args={})
+        op = torch.library.custom_op(name, fn, mutates_args=())
+
+        @op.register_fake
+        def _(*args, **kwargs):
+            token = _launches_skipped.set(True)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _launches_skipped.reset(token)
+
+        return op
+
+    return register
 
 
 def _launch(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None, w_scale=None,
             bias=None, out_inv_scale=None, out_zero_point=None, out_qmin=-128, out_qmax=127):
     M, K = a.shape
     N = b.shape[1]
+    if launches_skipped():
+        return c
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -250,7 +284,7 @@ def _check_linear_operands(q_x: Tensor, q_w: Tensor) -> tuple[int, int, int]:
     return q_x.shape[0], q_w.shape[0], q_x.shape[1]
 
 
-@triton_op("intqat::int_mm", mutates_args={})
+@kernel_op("intqat::int_mm")
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
     """Exact int8 (M, K) @ int8 (K, N) -> int32 (M, N), any strides (= torch._int_mm)."""
     check_matrix("a", a, (torch.int8,))
@@ -266,7 +300,7 @@ def int_mm(a: Tensor, b: Tensor) -> Tensor:
     return _launch(a, b, c, "none")
 
 
-@triton_op("intqat::int_linear_accumulator", mutates_args={})
+@kernel_op("intqat::int_linear_accumulator")
 def int_linear_accumulator(q_x: Tensor, q_w: Tensor, x_zero_point: Tensor, w_colsum: Tensor) -> Tensor:
     """acc[m, n] = sum_k q_x[m, k] * q_w[n, k] - z_x[m] * w_colsum[n], int32 (M, N), exact."""
     M, N, K = _check_linear_operands(q_x, q_w)
@@ -279,7 +313,7 @@ def int_linear_accumulator(q_x: Tensor, q_w: Tensor, x_zero_point: Tensor, w_col
     return _launch(q_x, q_w.t(), c, "zero_point", x_zero_point=x_zero_point, w_colsum=w_colsum)
 
 
-@triton_op("intqat::int_linear_forward", mutates_args={})
+@kernel_op("intqat::int_linear_forward")
 def int_linear_forward(
     q_x: Tensor,
     q_w: Tensor,

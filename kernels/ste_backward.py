@@ -18,18 +18,20 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
 from intqat.kernels.int_gemm import (
+    _INT_DTYPES,
     check_matrix,
     check_same_device,
     check_vector,
+    kernel_op,
+    launches_skipped,
     round_half_even,
     vector_stride,
 )
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INT_DTYPES = (torch.int32, torch.int64)
 
 
 def get_autotune_config() -> list[triton.Config]:
@@ -243,12 +245,7 @@ def _check_grad_input(grad_out: Tensor, q_w: Tensor, w_scale: Tensor, mask_x: Op
 def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> None:
     M, N = grad_out.shape
     K = q_w.shape[1]
-    if M == 0 or K == 0:
-        return
-    if N == 0:
-        grad_xhat.zero_()
-        if grad_x is not None:
-            grad_x.zero_()
+    if M == 0 or K == 0 or launches_skipped():  # N == 0 runs: the kernel writes zeros
         return
 
     def grid(meta):
@@ -265,7 +262,7 @@ def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> Non
     )
 
 
-@triton_op("intqat::ste_grad_xhat", mutates_args={})
+@kernel_op("intqat::ste_grad_xhat")
 def ste_grad_xhat(grad_out: Tensor, q_w: Tensor, w_scale: Tensor) -> Tensor:
     """grad_xhat = (grad_out * w_scale[None, :]) @ float(q_w), (M, K) fp32."""
     _check_grad_input(grad_out, q_w, w_scale, None)
@@ -274,7 +271,7 @@ def ste_grad_xhat(grad_out: Tensor, q_w: Tensor, w_scale: Tensor) -> Tensor:
     return grad_xhat
 
 
-@triton_op("intqat::ste_grad_input_masked", mutates_args={})
+@kernel_op("intqat::ste_grad_input_masked")
 def ste_grad_input_masked(grad_out: Tensor, q_w: Tensor, w_scale: Tensor, mask_x: Tensor) -> tuple[Tensor, Tensor]:
     """(grad_x, grad_xhat): grad_xhat as ste_grad_xhat, grad_x = grad_xhat * mask_x."""
     _check_grad_input(grad_out, q_w, w_scale, mask_x)
@@ -324,6 +321,8 @@ def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *,
                         grad_s_partial=None, w_qmin=0, w_qmax=0) -> None:
     M, N = grad_out.shape
     K = q_x.shape[1]
+    if N == 0 or K == 0 or launches_skipped():  # M == 0 runs: the kernel writes zeros
+        return
 
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
@@ -345,22 +344,18 @@ def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *,
     )
 
 
-@triton_op("intqat::ste_grad_weight_plain", mutates_args={})
+@kernel_op("intqat::ste_grad_weight_plain")
 def ste_grad_weight_plain(
     grad_out: Tensor, q_x: Tensor, x_scale: Tensor, x_zero_point: Tensor, mask_w: Optional[Tensor] = None
 ) -> Tensor:
     """grad_w = (grad_outᵀ @ ((float(q_x) - z_x) * x_scale)) * mask_w, (N, K) fp32."""
     M, N, K = _check_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w)
     grad_w = torch.empty((N, K), dtype=torch.float32, device=grad_out.device)
-    if N == 0 or K == 0:
-        return grad_w
-    if M == 0:
-        return grad_w.zero_()
     _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w)
     return grad_w
 
 
-@triton_op("intqat::ste_grad_weight_lsq", mutates_args={})
+@kernel_op("intqat::ste_grad_weight_lsq")
 def ste_grad_weight_lsq(
     grad_out: Tensor,
     q_x: Tensor,
@@ -386,8 +381,6 @@ def ste_grad_weight_lsq(
     check_same_device(grad_out=grad_out, weight=weight, w_scale=w_scale)
 
     grad_w = torch.empty((N, K), dtype=torch.float32, device=grad_out.device)
-    if N == 0 or K == 0 or M == 0:
-        return grad_w.zero_(), torch.zeros((N,), dtype=torch.float32, device=grad_out.device)
     # inv_s = float32(1 / s) once per channel; the kernel multiplies (NUMERICS.md).
     w_inv_scale = torch.reciprocal(w_scale)
     grad_s_partial = torch.empty((N, triton.cdiv(K, _BLOCK_K)), dtype=torch.float32, device=grad_out.device)
@@ -413,13 +406,13 @@ def ste_grad_weight(
     """Weight gradient of the integer linear: (grad_w (N, K) fp32, grad_w_scale (N,) or None).
 
     grad_what = grad_outᵀ @ x_hat, x_hat = (float(q_x) - z_x) * x_scale (per tensor or row);
-    grad_w = grad_what * mask_w. With weight, w_scale, w_qmin and w_qmax (learnable
-    per-channel weight scale, LSQ) also returns the scale gradient, else None.
+    grad_w = grad_what * mask_w. Given weight and w_scale (learnable per-channel weight scale,
+    LSQ; w_qmin and w_qmax then required) also returns the scale gradient, else None; the
+    code range alone is ignored, so callers may always pass it.
     """
-    lsq_args = (weight, w_scale, w_qmin, w_qmax)
-    if all(a is None for a in lsq_args):
+    if weight is None and w_scale is None:
         return ste_grad_weight_plain(grad_out, q_x, x_scale, x_zero_point, mask_w), None
-    if any(a is None for a in lsq_args):
+    if weight is None or w_scale is None or w_qmin is None or w_qmax is None:
         raise ValueError("the LSQ weight-scale gradient needs all of weight, w_scale, w_qmin and w_qmax")
     return ste_grad_weight_lsq(grad_out, q_x, x_scale, x_zero_point, mask_w, weight, w_scale,
                                int(w_qmin), int(w_qmax), float(w_grad_factor))

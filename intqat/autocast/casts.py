@@ -20,7 +20,7 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from .ops import arg_value, aten, node_dtype, with_arg
+from .ops import arg_value, aten, node_dtype, tensors, with_arg
 from .rules import Decision, is_structural
 
 CAST_MARK = "intqat_autocast"  # meta key on the casts this pass inserts
@@ -33,6 +33,10 @@ def set_val(node: torch.fx.Node, val) -> None:
         node.meta["tensor_meta"] = _extract_tensor_metadata(val)
     else:
         node.meta.pop("tensor_meta", None)
+
+
+def _dtypes(node: torch.fx.Node) -> list[torch.dtype]:
+    return [t.dtype for t in tensors(node.meta.get("val"))]
 
 
 def is_inserted_cast(node: torch.fx.Node) -> bool:
@@ -99,7 +103,7 @@ class _CastBuilder:
         def transform(a: torch.fx.Node) -> torch.fx.Node:
             nonlocal changed
             v = self.value(a, want(a), node)
-            changed |= node_dtype(v) != node_dtype(a)
+            changed |= _dtypes(v) != _dtypes(a)  # all outputs: getitem of a low max.dim too
             return v
 
         new = self.graph.node_copy(node, transform)
@@ -131,10 +135,6 @@ class _CastBuilder:
             self.env[node] = new
         return self.graph
 
-    @property
-    def n_casts(self) -> int:
-        return len(self.casts)
-
 
 def insert_casts(gm: torch.fx.GraphModule, decisions: dict[torch.fx.Node, Decision],
                  low: torch.dtype, cast_placeholders: set[str]) -> tuple[torch.fx.Graph, int]:
@@ -143,26 +143,43 @@ def insert_casts(gm: torch.fx.GraphModule, decisions: dict[torch.fx.Node, Decisi
     graph = builder.build()
     remove_redundant_casts(graph)
     graph.lint()
-    return graph, sum(1 for n in graph.nodes if is_inserted_cast(n))
+    alive = set(graph.nodes)
+    return graph, sum(1 for c in builder.casts.values() if c in alive)
+
+
+_WIDER = {torch.bfloat16: (torch.float32, torch.float64), torch.float16: (torch.float32, torch.float64),
+          torch.float32: (torch.float64,)}
+
+
+def _exact_widening(node: torch.fx.Node) -> bool:
+    """A dtype-only cast to a type that holds every value of its input (bf16 -> fp32):
+    narrowing its result back to the input type gives the input bit for bit."""
+    if node.op != "call_function" or node.target not in (aten._to_copy.default, aten.to.dtype):
+        return False
+    if node.target is aten._to_copy.default and (len(node.args) != 1 or set(node.kwargs) != {"dtype"}):
+        return False
+    src = node.args[0]
+    return isinstance(src, torch.fx.Node) and node_dtype(node) in _WIDER.get(node_dtype(src), ())
 
 
 def remove_redundant_casts(graph: torch.fx.Graph) -> int:
     """Collapse chains of inserted casts and drop no-op ones; returns how many went.
 
     cast(cast(x, bf16), fp32) -> x and cast(cast(x, bf16), fp16) -> cast(x, fp16): the
-    intermediate rounding was ours, not the model's. A user's own x.to(bf16) is intent
-    (it may simulate rounding) and is never touched.
+    intermediate rounding was ours, not the model's. Through a user's cast only when it is
+    exact: cast(x_bf16.to(fp32), bf16) -> x_bf16. A user's own x.to(bf16) is intent (it
+    may simulate rounding) and is never removed.
     """
     removed = 0
     first: dict[tuple[torch.fx.Node, torch.dtype], torch.fx.Node] = {}
     for node in list(graph.nodes):
         if not is_inserted_cast(node):
             continue
+        dtype = node.kwargs["dtype"]
         src = node.args[0]
-        while is_inserted_cast(src):
+        while is_inserted_cast(src) or (_exact_widening(src) and node_dtype(src.args[0]) == dtype):
             src = src.args[0]
         node.args = (src,)
-        dtype = node.kwargs["dtype"]
         if node_dtype(src) == dtype:
             node.replace_all_uses_with(src)
         elif (src, dtype) in first:  # a collapsed chain can duplicate an existing cast

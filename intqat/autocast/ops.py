@@ -1,9 +1,8 @@
 """Op tables and op-target helpers shared by the classifier and the cast pass.
 
-Tables name aten op *packets* ("softmax" covers softmax.int and _softmax.default's packet is
-listed separately), so one entry covers the training IR that torch.export.export emits
-(aten.linear, aten.softmax.int) and the inference IR that run_decompositions() emits
-(aten.addmm, aten._softmax.default).
+Tables name aten op *packets* ("softmax" matches every overload of aten.softmax). Both the
+training IR that torch.export.export emits (aten.linear, aten.softmax.int) and the inference
+IR that run_decompositions() emits (aten.addmm, aten._softmax.default) are listed.
 """
 
 from __future__ import annotations
@@ -48,7 +47,8 @@ WIDEST_TYPE_OP_NAMES: tuple[str, ...] = (
     "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
     "expand_as", "view_as", "squeeze", "unsqueeze", "flatten", "unflatten", "slice",
     "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "clone",
-    "contiguous", "alias", "detach", "repeat",
+    "contiguous", "alias", "detach", "repeat", "roll", "flip", "constant_pad_nd",
+    "gather", "index_select", "index", "_unsafe_index", "take_along_dim",
 )
 
 # Ops whose integer/bool tensor arguments are indices or masks: these do not make the op

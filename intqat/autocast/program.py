@@ -6,12 +6,15 @@ dict from an nn.Module. Instead the new graph keeps every placeholder (same name
 order), so the input specs carry over unchanged; only the output specs are renamed to the
 casts that now feed the outputs, and the state dict / constants get the params stored in
 low precision. The public ExportedProgram constructor validates the result (verifier,
-signature) exactly as torch.export does.
+signature) exactly as torch.export does; it is what ExportedProgram._update calls, without
+depending on a private method. Tensors that are not cast are shared with the input
+program, as run_decompositions() shares them.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch.export import ExportedProgram
@@ -28,26 +31,33 @@ from .rules import Decision, consumers
 _STORED_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
 
+def _stored(program: ExportedProgram, target: str):
+    return program.state_dict.get(target, program.constants.get(target))
+
+
 def castable_params(program: ExportedProgram, decisions: dict[torch.fx.Node, Decision]) -> dict[str, str]:
     """Placeholder name -> state-dict/constant key of fp32 params, buffers and constants
     whose every consumer runs in low precision: storing them low saves the cast and half
-    the bytes. Mutated buffers keep their dtype (the program writes them back)."""
+    the bytes. Mutated buffers keep their dtype (their in-place op is never low)."""
     sig = program.graph_signature
     mutated = {s.target for s in sig.output_specs
                if s.kind in (OutputKind.BUFFER_MUTATION, OutputKind.PARAMETER_MUTATION)}
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    by_target: dict[str, list[tuple[torch.fx.Node, bool]]] = {}
+    # Tied weights (head.weight is emb.weight) are one tensor under several placeholders,
+    # some maybe unused: cast all of them or none, so they stay one tensor.
+    groups: dict[int, list[tuple[torch.fx.Node, str]]] = {}
     for node, spec in zip(placeholders, sig.input_specs):
-        if spec.kind not in _STORED_KINDS or spec.target in mutated:
-            continue
-        val = node.meta.get("val")
-        users = consumers(node)
-        ok = (isinstance(val, torch.Tensor) and val.dtype == torch.float32 and bool(users)
-              and all(u in decisions and decisions[u].low for u in users))
-        by_target.setdefault(spec.target, []).append((node, ok))
-    # A tied weight appears under several placeholders: all of them must agree.
-    return {n.name: t for t, entries in by_target.items() if all(ok for _, ok in entries)
-            for n, _ in entries}
+        tensor = _stored(program, spec.target) if spec.kind in _STORED_KINDS else None
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+            groups.setdefault(id(tensor), []).append((node, spec.target))
+    out = {}
+    for entries in groups.values():
+        used = [n for n, _ in entries if consumers(n)]
+        ok = bool(used) and not any(t in mutated for _, t in entries) and all(
+            u in decisions and decisions[u].low for n in used for u in consumers(n))
+        if ok:
+            out.update({n.name: t for n, t in entries})
+    return out
 
 
 def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,13 +68,14 @@ def _cast_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def cast_state(program: ExportedProgram, targets: set[str], dtype: torch.dtype):
-    """(state_dict, constants) with `targets` stored in `dtype`; originals untouched."""
+    """(state_dict, constants) with `targets` stored in `dtype`; originals untouched.
+    One cast per tensor, so tied weights stay tied."""
     state_dict, constants = dict(program.state_dict), dict(program.constants)
-    for t in targets:
-        if t in state_dict:
-            state_dict[t] = _cast_tensor(state_dict[t], dtype)
-        elif t in constants:  # non-persistent buffers and lifted tensor constants
-            constants[t] = _cast_tensor(constants[t], dtype)
+    done: dict[int, torch.Tensor] = {}
+    for t in sorted(targets):
+        store = state_dict if t in state_dict else constants  # constants: non-persistent buffers
+        old = store[t]
+        store[t] = done.setdefault(id(old), _cast_tensor(old, dtype))
     return state_dict, constants
 
 
@@ -86,13 +97,17 @@ def rebuild(program: ExportedProgram, graph: torch.fx.Graph, state_dict: dict,
         for s, o in zip(old_sig.output_specs, outputs)
     ]
     sig = ExportGraphSignature(input_specs=copy.deepcopy(old_sig.input_specs), output_specs=output_specs)
+    with warnings.catch_warnings():
+        # torch 2.13's own TreeSpec.__deepcopy__ path warns about its deprecated LeafSpec.
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        module_call_graph = copy.deepcopy(program.module_call_graph)
     return ExportedProgram(
         root=gm,
         graph=gm.graph,
         graph_signature=sig,
         state_dict=state_dict,
         range_constraints=copy.deepcopy(program.range_constraints),
-        module_call_graph=copy.deepcopy(program.module_call_graph),
+        module_call_graph=module_call_graph,
         example_inputs=program.example_inputs,
         constants=constants,
         verifiers=program.verifiers,

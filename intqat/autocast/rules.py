@@ -25,6 +25,7 @@ from .reduction import too_deep
 RULES = (
     "higher_order_op",          # other HOP regions (set_grad, cond, ...) are opaque: fp32
     "autocast_region",          # under torch.autocast at export time: keep what it chose
+    "in_place_op",              # x.add_() in training IR writes a buffer: keep its dtype
     "integer_op",               # int/bool inputs or outputs: never touched
     "explicit_cast",            # x.to(dtype) in user code: output dtype is fixed
     "non_fp32_dtype",           # fp64 or already-low values: not ours to change
@@ -39,6 +40,7 @@ RULES = (
     "low_precision_ops",        # listed by the caller: low
     "widest_type",              # add/cat/view...: widest precision among computed inputs
     "follows_consumers",        # widest-type op on params/constants only: as its consumers
+    "custom_op",                # non-aten op (a hand-written kernel may assume fp32): fp32
     "not_in_low_precision_ops",  # low_precision_ops given and op not in it: fp32
     "default_low_precision",
 )
@@ -81,9 +83,11 @@ def tensor_inputs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.Tensor
 
 
 def _in_integer_layer(node: torch.fx.Node, types: tuple[str, ...]) -> bool:
+    # A suffix match on the qualified type name: "IntLinear" covers intqat.nn.IntLinear and
+    # DeployedIntLinear (what export packages); "intqat.nn.linear.IntLinear" pins one class.
     for _path, cls in (node.meta.get("nn_module_stack") or {}).values():
         name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
-        if any(name == t or name.endswith("." + t) for t in types):
+        if name.endswith(types):
             return True
     return False
 
@@ -114,9 +118,14 @@ def _fixed_rule(node: torch.fx.Node, cfg: AutocastConfig, amax: dict | None) -> 
         if target is torch.ops.higher_order.wrap_with_autocast:
             return _autocast_hop(node)
         return Decision(FP32, "higher_order_op")
-    if _from_autocast(node):
-        return Decision(UNCHANGED, "autocast_region")
     outs = tensors(node.meta.get("val"))
+    fp32_outs = all(t.dtype == torch.float32 for t in outs if t.is_floating_point())
+    if _from_autocast(node):
+        return Decision(FP32 if fp32_outs else UNCHANGED, "autocast_region")
+    schema = getattr(target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        # A buffer updated in place (running stats, counters) must not lose bits to bf16.
+        return Decision(FP32 if fp32_outs else UNCHANGED, "in_place_op")
     ins = tensor_inputs(node)
     index_op = packet_of(target) in INDEX_ARG_OPS
     if not any(t.is_floating_point() for t in outs) or any(
@@ -184,6 +193,14 @@ def _follow_consumers(node, cfg, decisions) -> Decision:
     return Decision(cfg.low_name if low else FP32, "follows_consumers")
 
 
+def _last_rule(node: torch.fx.Node, cfg: AutocastConfig) -> Decision:
+    if getattr(node.target, "namespace", "aten") not in ("aten", "prims"):
+        return Decision(FP32, "custom_op")
+    if cfg.low_targets is not None:
+        return Decision(FP32, "not_in_low_precision_ops")
+    return Decision(cfg.low_name, "default_low_precision")
+
+
 def classify(program: ExportedProgram, cfg: AutocastConfig,
              amax: dict[str, float] | None = None) -> dict[torch.fx.Node, Decision]:
     """Decision for every computing call_function node of program.graph."""
@@ -209,10 +226,9 @@ def classify(program: ExportedProgram, cfg: AutocastConfig,
                 pending.append(node)
                 continue
         if d is None:
-            d = Decision(FP32, "not_in_low_precision_ops") if cfg.low_targets is not None \
-                else Decision(cfg.low_name, "default_low_precision")
+            d = _last_rule(node, cfg)
         decisions[node] = d
     # Consumers come later in topological order, so resolve free nodes back to front.
     for node in reversed(pending):
         decisions[node] = _follow_consumers(node, cfg, decisions)
-    return decisions
+    return {n: decisions[n] for n in graph.nodes if n in decisions}  # graph order
