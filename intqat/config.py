@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
 from intqat.ops.qparams import qrange
@@ -94,10 +94,15 @@ class QuantConfig:
     activation: QuantSpec = field(default_factory=_default_activation)
 
     def __post_init__(self):
-        if isinstance(self.weight, dict):
-            object.__setattr__(self, "weight", QuantSpec(**self.weight))
-        if isinstance(self.activation, dict):
-            object.__setattr__(self, "activation", QuantSpec(**self.activation))
+        for name in ("weight", "activation"):
+            value = getattr(self, name)
+            if hasattr(value, "items"):
+                object.__setattr__(self, name, _spec_from_dict(dict(value.items()), name))
+            elif not isinstance(value, QuantSpec):
+                raise TypeError(
+                    f"QuantConfig({name}={value!r}): expected a QuantSpec or a dict of its fields, e.g. "
+                    f"QuantConfig({name}=QuantSpec(bits=8))"
+                )
         w, a = self.weight, self.activation
         if not w.symmetric:
             raise ValueError(
@@ -154,6 +159,14 @@ PRESETS: dict[str, QuantConfig] = {
 }
 
 
+def _spec_from_dict(d: dict, what: str, base: QuantSpec | None = None) -> QuantSpec:
+    valid = [f.name for f in fields(QuantSpec)]
+    unknown = sorted(set(d) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {what} QuantSpec field(s) {unknown}; valid fields: {', '.join(valid)}")
+    return replace(base, **d) if base is not None else QuantSpec(**d)
+
+
 def resolve_config(config: QuantConfig | str | dict | None) -> QuantConfig:
     """Accept a QuantConfig, a preset name ("w8a8"), a dict (e.g. from Hydra) or None (w8a8)."""
     if config is None:
@@ -163,16 +176,14 @@ def resolve_config(config: QuantConfig | str | dict | None) -> QuantConfig:
     if isinstance(config, str):
         return QuantConfig.from_preset(config)
     if hasattr(config, "items"):
+        # a dict overrides fields of a preset (w8a8 unless it names one): {"weight": {"bits": 4}}
+        # keeps w8a8's per-channel weights and changes only their width
         d = dict(config.items())
-        if "preset" in d:
-            base = QuantConfig.from_preset(d.pop("preset"))
-            w = {**asdict(base.weight), **dict(d.pop("weight", {}) or {})}
-            a = {**asdict(base.activation), **dict(d.pop("activation", {}) or {})}
-            if d:
-                raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation")
-            return QuantConfig(weight=QuantSpec(**w), activation=QuantSpec(**a))
-        unknown = set(d) - {"weight", "activation"}
-        if unknown:
-            raise ValueError(f"unknown QuantConfig keys {sorted(unknown)}; valid: preset, weight, activation")
-        return QuantConfig(**{k: QuantSpec(**dict(v)) for k, v in d.items()})
+        base = QuantConfig.from_preset(d.pop("preset", "w8a8"))
+        w = dict((d.pop("weight", None) or {}).items())
+        a = dict((d.pop("activation", None) or {}).items())
+        if d:
+            raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation")
+        return QuantConfig(weight=_spec_from_dict(w, "weight", base.weight),
+                           activation=_spec_from_dict(a, "activation", base.activation))
     raise TypeError(f"expected a QuantConfig, a preset name or a dict, got {type(config).__name__}")

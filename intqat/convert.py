@@ -129,14 +129,15 @@ def to_integer(
     has_source = any(
         isinstance(m, FAKE_QUANT_TYPES) or any(p(m) for p, _ in _CONVERTERS) for m in model.modules()
     )
+    skipped: list[str] = []
     if not has_source:
-        prepare_qat(model, config or "w8a8", filter_fn)
+        _prepare(model, "", resolve_config(config or "w8a8"), filter_fn, skipped)
     if calibration_data is not None:
         calibrate(model, calibration_data)
-    skipped: list[str] = []
     _swap_to_integer(model, "", filter_fn, skipped)
     if skipped:
-        warnings.warn("to_integer left these modules as they were: " + "; ".join(skipped), stacklevel=2)
+        unique = list(dict.fromkeys(skipped))  # one line per module, even if both passes met it
+        warnings.warn("to_integer left these modules as they were: " + "; ".join(unique), stacklevel=2)
     return model
 
 

@@ -4,12 +4,14 @@
 
     from intqat.graphs import dedupe, extract, save_groups, validate
 
-    captures = {name: extract(stage, (x,)) for name, (stage, x) in stages.items()}
+    captures = {name: extract(stage, (x,), train=True) for name, (stage, x) in stages.items()}
     save_groups(dedupe(captures), "outputs/graphs")   # one directory per distinct graph
-    print(validate(model, (x,), trials=10).to_table())
+    for name, capture in captures.items():
+        print(name, capture.summary.to_text(), sep="\n")
+    print(validate(model, (x,), trials=10, train=True).to_table())
 """
 
-from intqat.graphs.capture import GraphCapture, extract
+from intqat.graphs.capture import GraphCapture, GraphPair, extract
 from intqat.graphs.compare import Diff, compare
 from intqat.graphs.dedupe import GraphGroup, dedupe, save_groups
 from intqat.graphs.hashing import code_hash, normalize_code
@@ -21,6 +23,7 @@ __all__ = [
     "Diff",
     "GraphCapture",
     "GraphGroup",
+    "GraphPair",
     "GraphSummary",
     "IntegerOp",
     "SavedTensor",

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 LossFn = Callable[[Any], torch.Tensor]
@@ -16,7 +17,7 @@ def default_loss(output: Any) -> torch.Tensor:
 
     Integer leaves (codes, indices) carry no gradient, so they take no part in the loss.
     """
-    leaves = [t for t in _tensor_leaves(output) if t.is_floating_point()]
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     if not leaves:
         raise ValueError("model output holds no floating tensor: pass a loss_fn")
     loss = leaves[0].float().sum()
@@ -30,8 +31,8 @@ def compute_loss(output: Any, loss_fn: LossFn | None) -> torch.Tensor:
 
 
 def train_step(model: nn.Module, loss_fn: LossFn | None, *inputs: Any) -> tuple[Any, torch.Tensor]:
-    # Module-level (not a closure) so its code object is one dynamo cache key that
-    # `validate` can clear; the model is an argument, guarded by type, not by identity.
+    # The model is an argument: dynamo guards its type and treats its parameters as inputs,
+    # so a fresh deep copy per run reuses the compiled code instead of recompiling.
     output = model(*inputs)
     return output, compute_loss(output, loss_fn)
 
@@ -41,25 +42,12 @@ def clone_inputs(inputs: Sequence[Any]) -> tuple[Any, ...]:
 
     requires_grad is kept: an input the caller wants a gradient for stays differentiable.
     """
-    def one(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().clone().requires_grad_(x.requires_grad)
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-            return type(x)(*(one(v) for v in x))
-        if isinstance(x, (list, tuple)):
-            return type(x)(one(v) for v in x)
-        if isinstance(x, dict):
-            return {k: one(v) for k, v in x.items()}
-        return x
-
-    return tuple(one(x) for x in inputs)
+    return pytree.tree_map_only(
+        torch.Tensor, lambda x: x.detach().clone().requires_grad_(x.requires_grad), tuple(inputs)
+    )
 
 
-def _tensor_leaves(x: Any) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensor_leaves(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensor_leaves(v)]
-    return []
+def input_leaves(inputs: Sequence[Any]) -> list[tuple[str, Any]]:
+    """[("[0][1]", leaf), ...]: every leaf of the inputs, in the order aot_autograd flattens them."""
+    flat, _ = pytree.tree_flatten_with_path(tuple(inputs))
+    return [(pytree.keystr(path), leaf) for path, leaf in flat]

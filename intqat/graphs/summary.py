@@ -1,4 +1,4 @@
-"""What a forward/backward graph pair says about integer training, read from node.meta['val'].
+"""What the forward/backward graphs of a step say about integer training, read from node.meta['val'].
 
 Every judgement here is made from the dtypes and shapes aot_autograd recorded on the nodes,
 not from op names we expect: a new integer op shows up without this file changing.
@@ -27,8 +27,11 @@ _MATMUL_OPS = frozenset({
     aten.convolution, aten.convolution_backward,
 })
 # How far back from a matmul operand to look for the integer codes it was converted from
-# (codes -> _to_copy -> mul(scale) -> t -> mm is 3 steps).
-_STE_SEARCH_DEPTH = 4
+# (intqat's int_linear: codes -> _to_copy -> sub(zero point) -> mul(scale) -> mm is 4 steps).
+_STE_SEARCH_DEPTH = 6
+
+# (forward, backward or None, labels of the forward's placeholders): one compiled region.
+Region = tuple[GraphModule, "GraphModule | None", list[str]]
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class IntegerOp:
     target: str
     dtypes: tuple[str, ...]  # integer dtypes it reads or writes
     reason: str  # "namespace", "_int_mm" or "dtype"
+    region: int = 0  # which compiled region (more than one: dynamo graph breaks)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class SteKernel:
     node: str
     target: str
     codes: tuple[str, ...]  # the integer tensors it consumes (empty for an intqat *_backward op)
+    region: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,11 +62,13 @@ class SavedTensor:
     dtype: str
     shape: tuple[int, ...]
     bytes: int  # numel * element size: the logical size, not the storage behind a view
-    source: str  # "param:fc.weight", "buffer:bn.running_var", "input:0" or "activation:aten.relu"
+    source: str  # "param:fc.weight", "buffer:bn.running_var", "input[0]" or "activation:aten.relu"
+    region: int = 0
 
 
 @dataclass
 class GraphSummary:
+    regions: int  # compiled regions of the step; 1 unless dynamo broke the graph
     forward_nodes: int
     backward_nodes: int
     integer_ops: list[IntegerOp] = field(default_factory=list)
@@ -75,47 +82,53 @@ class GraphSummary:
         return sum(s.bytes for s in self.saved)
 
     @property
+    def activation_bytes(self) -> int:
+        """Saved bytes the step adds: parameters, buffers and the step's inputs are held anyway."""
+        return sum(s.bytes for s in self.saved if not s.source.startswith(("param:", "buffer:", "input")))
+
+    @property
     def has_ste_backward(self) -> bool:
         return bool(self.ste_kernels)
 
-    @property
-    def integer_requires_grad(self) -> bool:
-        return bool(self.integer_grads)
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(saved_bytes=self.saved_bytes, has_ste_backward=self.has_ste_backward)
+        d.update(saved_bytes=self.saved_bytes, activation_bytes=self.activation_bytes,
+                 has_ste_backward=self.has_ste_backward)
         return d
 
     def to_text(self) -> str:
         lines = [
+            f"{self.regions} compiled region(s){', split by graph breaks' if self.regions > 1 else ''}; "
             f"forward nodes {self.forward_nodes}, backward nodes {self.backward_nodes}",
             f"integer ops: {len(self.integer_ops)}, STE backward kernels: {len(self.ste_kernels)}",
             f"integer tensors requiring grad: {', '.join(self.integer_grads) or 'none'}",
-            f"saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes",
+            f"saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes "
+            f"({self.activation_bytes} of them activations)",
         ]
-        lines += [f"  {s.name:<24} {s.dtype:<9} {str(list(s.shape)):<18} {s.bytes:>10}  {s.source}"
+        where = (lambda region: f"[{region}] ") if self.regions > 1 else (lambda region: "")
+        lines += [f"  {where(s.region)}{s.name:<24} {s.dtype:<9} {str(list(s.shape)):<18} {s.bytes:>10}  {s.source}"
                   for s in self.saved]
-        lines += [f"  {op.graph}: {op.node} = {op.target} [{', '.join(op.dtypes)}] ({op.reason})"
+        lines += [f"  {where(op.region)}{op.graph}: {op.node} = {op.target} [{', '.join(op.dtypes)}] ({op.reason})"
                   for op in self.integer_ops]
         return "\n".join(lines)
 
 
-def summarize(
-    fw: GraphModule,
-    bw: GraphModule,
-    input_labels: list[str],
-    int_namespaces: tuple[str, ...] = INT_NAMESPACES,
-) -> GraphSummary:
-    """input_labels[i] names the forward graph's i-th placeholder ("param:fc.weight", ...)."""
-    return GraphSummary(
-        forward_nodes=_count_ops(fw),
-        backward_nodes=_count_ops(bw),
-        integer_ops=_integer_ops(fw, "forward", int_namespaces) + _integer_ops(bw, "backward", int_namespaces),
-        ste_kernels=_ste_kernels(bw, int_namespaces),
-        integer_grads=_integer_grads(fw, bw, input_labels),
-        saved=_saved_tensors(fw, bw, input_labels),
+def summarize(regions: list[Region], int_namespaces: tuple[str, ...] = INT_NAMESPACES) -> GraphSummary:
+    """One summary over every compiled region of the step, in execution order."""
+    summary = GraphSummary(
+        regions=len(regions),
+        forward_nodes=sum(_count_ops(fw) for fw, _, _ in regions),
+        backward_nodes=sum(_count_ops(bw) for _, bw, _ in regions if bw is not None),
     )
+    for i, (fw, bw, labels) in enumerate(regions):
+        summary.integer_ops += _integer_ops(fw, "forward", int_namespaces, i)
+        if bw is None:  # nothing in this region needs a gradient
+            continue
+        summary.integer_ops += _integer_ops(bw, "backward", int_namespaces, i)
+        summary.ste_kernels += _ste_kernels(bw, int_namespaces, i)
+        summary.integer_grads += _integer_grads(fw, bw, labels)
+        summary.saved += _saved_tensors(fw, bw, labels, i)
+    return summary
 
 
 def _count_ops(gm: GraphModule) -> int:
@@ -144,7 +157,7 @@ def _op_overload(node: Node) -> torch._ops.OpOverload | None:
     return None
 
 
-def _integer_ops(gm: GraphModule, graph: str, int_namespaces: tuple[str, ...]) -> list[IntegerOp]:
+def _integer_ops(gm: GraphModule, graph: str, int_namespaces: tuple[str, ...], region: int) -> list[IntegerOp]:
     found = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
@@ -162,11 +175,11 @@ def _integer_ops(gm: GraphModule, graph: str, int_namespaces: tuple[str, ...]) -
             reason = "dtype"
         else:
             continue
-        found.append(IntegerOp(graph, node.name, str(op or node.target), int_dtypes, reason))
+        found.append(IntegerOp(graph, node.name, str(op or node.target), int_dtypes, reason, region))
     return found
 
 
-def _ste_kernels(bw: GraphModule, int_namespaces: tuple[str, ...]) -> list[SteKernel]:
+def _ste_kernels(bw: GraphModule, int_namespaces: tuple[str, ...], region: int) -> list[SteKernel]:
     kernels = []
     for node in bw.graph.nodes:
         if node.op != "call_function":
@@ -175,13 +188,13 @@ def _ste_kernels(bw: GraphModule, int_namespaces: tuple[str, ...]) -> list[SteKe
         if op is None:
             continue
         if op.namespace in int_namespaces and "backward" in op.name():
-            kernels.append(SteKernel(node.name, str(op), ()))
+            kernels.append(SteKernel(node.name, str(op), (), region))
             continue
         is_float = any(d.is_floating_point for d in _val_dtypes(node))
         if op.overloadpacket in _MATMUL_OPS and is_float:
             codes = _integer_ancestors(node)
             if codes:
-                kernels.append(SteKernel(node.name, str(op), tuple(sorted(codes))))
+                kernels.append(SteKernel(node.name, str(op), tuple(sorted(codes)), region))
     return kernels
 
 
@@ -236,7 +249,7 @@ def _integer_grads(fw: GraphModule, bw: GraphModule, input_labels: list[str]) ->
     return problems
 
 
-def _saved_tensors(fw: GraphModule, bw: GraphModule, input_labels: list[str]) -> list[SavedTensor]:
+def _saved_tensors(fw: GraphModule, bw: GraphModule, input_labels: list[str], region: int) -> list[SavedTensor]:
     # The backward's placeholders are the saved values followed by the tangents, and the
     # forward returns those same saved values last: pair them by position.
     saved_phs = [ph for ph in _placeholders(bw) if not ph.name.startswith("tangents")]
@@ -259,5 +272,6 @@ def _saved_tensors(fw: GraphModule, bw: GraphModule, input_labels: list[str]) ->
             shape=tuple(int(s) for s in val.shape),
             bytes=val.numel() * val.element_size(),
             source=source,
+            region=region,
         ))
     return saved

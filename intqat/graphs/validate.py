@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 import torch._inductor.config
-import torch.utils._pytree as pytree
 from torch import nn
 
 from intqat.graphs.compare import Diff, compare, leaves
-from intqat.graphs.step import LossFn, clone_inputs, train_step
+from intqat.graphs.step import LossFn, clone_inputs, input_leaves, train_step
 
 # Worst last: a trial's status is the worst status of its tensors.
 _SEVERITY = {"pass": 0, "fluctuation": 1, "fail": 2, "error": 3}
@@ -30,10 +29,11 @@ class TensorReport:
     name: str  # "output[0]", "loss", "grad.fc.weight", "buffer.bn.running_mean", ...
     dtype: str
     shape: tuple[int, ...]
-    max_abs: float  # worst over the trials
-    max_rel: float  # worst max_abs / max |eager|
+    # From the worst trial (highest status, then largest error):
+    max_abs: float
+    max_rel: float  # max_abs / max |eager|
+    status: str
     eager_fluctuation: float  # largest difference between the eager runs
-    status: str  # worst over the trials
     note: str = ""  # why a structure, dtype or shape mismatch failed
 
 
@@ -111,16 +111,17 @@ def validate(
         for path, d in _compare_parts(other, reference, 0.0, 0.0).items():
             fluctuation[path] = max(fluctuation.get(path, 0.0), d.max_abs)
 
-    # Clear our step's dynamo cache so compiles from earlier calls (other models, other
-    # backends) cannot pile up to the recompile limit, where dynamo silently falls back to
-    # eager: that would pass everything. fail_on_recompile_limit_hit makes any such fallback
-    # in this call an error instead.
-    torch._dynamo.reset_code(train_step.__code__)
-    compiled = torch.compile(train_step, backend=backend, fullgraph=fullgraph)
+    # Start from empty dynamo caches: entries left by earlier calls (other models, other
+    # backends) could pile up to the recompile limit, where dynamo silently falls back to
+    # eager and everything would pass. The config patch below turns any fallback to eager in
+    # this call (recompile limit, a backend error swallowed by suppress_errors) into an error.
+    torch.compiler.reset()
+    # dynamic=False: static shapes, like extract's graphs.
+    compiled = torch.compile(train_step, backend=backend, fullgraph=fullgraph, dynamic=False)
     trial_status: list[str] = []
     errors: list[str] = []
     worst: dict[str, tuple[Diff, str]] = {}
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), \
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, suppress_errors=False), \
             torch._inductor.config.patch(fallback_random=True):
         for trial in range(trials):
             try:
@@ -168,8 +169,10 @@ def _run_step(
     loss.backward()
     parts: dict[str, Any] = {"output": output, "loss": loss}
     parts.update({f"grad.{n}": p.grad for n, p in model.named_parameters() if p.requires_grad})
-    leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor)]
-    parts.update({f"input_grad[{i}]": x.grad for i, x in enumerate(leaves) if x.requires_grad})
+    parts.update({
+        f"input_grad{key}": x.grad for key, x in input_leaves(inputs)
+        if isinstance(x, torch.Tensor) and x.requires_grad
+    })
     parts.update({f"buffer.{n}": b for n, b in model.named_buffers()})
     return parts
 
@@ -208,6 +211,6 @@ def _reports(
             dtype, shape = type(leaf).__name__, ()
         reports.append(TensorReport(
             name=path, dtype=dtype, shape=shape, max_abs=d.max_abs, max_rel=d.max_rel,
-            eager_fluctuation=fluctuation.get(path, math.nan), status=status, note=d.mismatch or "",
+            status=status, eager_fluctuation=fluctuation.get(path, math.nan), note=d.mismatch or "",
         ))
     return reports

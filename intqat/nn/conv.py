@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intqat.config import QuantConfig
+from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
 from intqat.ops.int_linear import rounded_zero_point
@@ -86,7 +86,8 @@ class _QuantConvBase(nn.Module):
 
 class FakeQuantConv2d(_QuantConvBase):
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d, config: QuantConfig, bn: nn.BatchNorm2d | None = None) -> "FakeQuantConv2d":
+    def from_conv(cls, conv: nn.Conv2d, config: QuantConfig | str | dict = "w8a8", bn: nn.BatchNorm2d | None = None) -> "FakeQuantConv2d":
+        config = resolve_config(config)
         dev = conv.weight.device
         mod = cls(conv, bn, ActivationQuantizer(config.activation).to(dev), None)
         w_init = mod.folded()[0] if bn is not None else conv.weight
@@ -97,7 +98,7 @@ class FakeQuantConv2d(_QuantConvBase):
         return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
     def forward(self, x: Tensor) -> Tensor:
-        x_hat = self.input_quantizer.fake_quant(x)
+        x_hat = self.input_quantizer.fake_quant(x, per_tensor_dynamic=True)
         if self.bn is None or self.bn_frozen or not self.training:
             w, b = self.folded()
             return self._conv(x_hat, self.weight_quantizer.fake_quant(w), b)
@@ -139,21 +140,31 @@ class IntConv2d(_QuantConvBase):
             aq._check_ready()
         w, b = self.folded()
         w_scale = self.weight_quantizer.channel_scale(w)
-        if self.training and torch.is_grad_enabled():
+        if _wants_autograd(x, self.weight):
             return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
         with torch.no_grad():
-            return self.to_deployed(w, b, w_scale)(x)
+            q_w, z_x = self._codes(w, w_scale)
+            colsum = q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32)
+            return _deployed_conv(x, q_w, colsum, w_scale.detach().reshape(-1), None if b is None else b.detach(),
+                                  aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic,
+                                  self.stride, self.padding, self.dilation, self.groups)
+
+    def _codes(self, w: Tensor, w_scale: Tensor) -> tuple[Tensor, Tensor]:
+        aq, wq = self.input_quantizer, self.weight_quantizer
+        ws = w_scale.detach().reshape(-1).to(torch.float32)
+        q_w = quantize(w.detach().reshape(w.shape[0], -1), ws, 0, wq.qmin, wq.qmax, axis=0).reshape(w.shape)
+        z_x = torch.zeros(1, dtype=torch.int32, device=w.device) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
+        return q_w, z_x
 
     @torch.no_grad()
-    def to_deployed(self, w: Tensor | None = None, b: Tensor | None = None, w_scale: Tensor | None = None) -> "DeployedIntConv2d":
+    def to_deployed(self) -> "DeployedIntConv2d":
         """Freeze: folded int8 weight codes as buffers."""
-        if w is None:
-            w, b = self.folded()
-            w_scale = self.weight_quantizer.channel_scale(w)
-        aq, wq = self.input_quantizer, self.weight_quantizer
-        w_scale = w_scale.detach().reshape(-1).to(torch.float32)
-        q_w = quantize(w.detach().reshape(w.shape[0], -1), w_scale, 0, wq.qmin, wq.qmax, axis=0).reshape(w.shape)
-        z_x = torch.zeros(1, dtype=torch.int32, device=w.device) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
+        if not self.input_quantizer.dynamic:
+            self.input_quantizer._check_ready()
+        aq = self.input_quantizer
+        w, b = self.folded()
+        w_scale = self.weight_quantizer.channel_scale(w).detach().reshape(-1).to(torch.float32)
+        q_w, z_x = self._codes(w, w_scale)
         return DeployedIntConv2d(
             q_w, w_scale, None if b is None else b.detach().clone(), aq.scale.detach().clone(), z_x,
             aq.qmin, aq.qmax, aq.dynamic, self.stride, self.padding, self.dilation, self.groups,
@@ -167,23 +178,35 @@ class DeployedIntConv2d(nn.Module):
         super().__init__()
         self.register_buffer("q_w", q_w)  # (O, C/g, kh, kw) int8
         self.register_buffer("w_colsum", q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32))
-        self.register_buffer("w_scale", w_scale)
+        self.register_buffer("w_scale", w_scale.to(torch.float32).contiguous())
         self.register_buffer("bias", bias)
         self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
         self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
-        self.pad_value = int(x_zero_point.reshape(-1)[0])  # known when frozen: a plain constant pad
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x.to(torch.float32)
-        if self.x_dynamic:
-            s = torch.clamp(x.abs().amax() / self.x_qmax, min=SCALE_EPS).reshape(1, 1)
-            q_x = quantize(x, s.reshape(()), 0, self.x_qmin, self.x_qmax)
-            colsum = torch.zeros_like(self.w_colsum[:1])
-        else:
-            s = self.x_scale.reshape(1, 1)
-            q_x = quantize(x, s.reshape(()), self.x_zero_point.reshape(()), self.x_qmin, self.x_qmax)
-            colsum = self.w_colsum
-        return conv_codes_forward(q_x, self.x_zero_point, s, self.q_w, colsum, self.w_scale, self.bias,
-                                  self.stride, self.padding, self.dilation, self.groups, self.pad_value)
+        return _deployed_conv(x, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
+                              self.x_qmin, self.x_qmax, self.x_dynamic, self.stride, self.padding, self.dilation, self.groups)
+
+
+def _wants_autograd(x: Tensor, weight: Tensor) -> bool:
+    """Use the differentiable op whenever autograd needs it (in eval too), never while exporting."""
+    return torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting()
+
+
+def _deployed_conv(x, q_w, w_colsum, w_scale, bias, x_scale, z_x, x_qmin, x_qmax, x_dynamic, stride, padding, dilation, groups):
+    """The integer conv in plain aten ops: exactly what the op's forward computes."""
+    x = x.to(torch.float32)
+    if x_dynamic:
+        s = torch.clamp(x.abs().amax() / x_qmax, min=SCALE_EPS).reshape(1, 1)
+        q_x = quantize(x, s.reshape(()), 0, x_qmin, x_qmax)
+        colsum = torch.zeros_like(w_colsum[:1])
+    else:
+        s = x_scale.detach().reshape(1, 1).to(torch.float32)
+        q_x = quantize(x, s.reshape(()), z_x.reshape(()), x_qmin, x_qmax)
+        colsum = w_colsum
+    # a traced program cannot read z_x's value: pad through the tensor path there
+    tracing = torch.compiler.is_exporting() or torch.compiler.is_compiling()
+    pad_value = None if tracing else int(z_x.reshape(-1)[0])
+    return conv_codes_forward(q_x, z_x, s, q_w, colsum, w_scale, bias, stride, padding, dilation, groups, pad_value)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from intqat.config import QuantConfig
+from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_linear import (
     int_linear,
@@ -49,7 +49,8 @@ class FakeQuantLinear(_QuantLinearBase):
     """y = F.linear(fq(x), fq(W), b): the fake-quant stage that warms up scales."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "FakeQuantLinear":
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
+        config = resolve_config(config)
         return cls(
             linear.weight,
             linear.bias,
@@ -82,7 +83,9 @@ class IntLinear(_QuantLinearBase):
         if not aq.dynamic:
             aq._check_ready()
         w_scale = self.weight_quantizer.channel_scale(self.weight)
-        if self.training and torch.is_grad_enabled():
+        # the differentiable op whenever autograd needs it (eval-mode training too); both paths
+        # run the same functions, so they give the same bits
+        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
             return int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
         return self._integer_forward(x, w_scale)
 
@@ -102,7 +105,9 @@ class IntLinear(_QuantLinearBase):
     def to_deployed(self) -> "DeployedIntLinear":
         """Freeze: int8 weight codes as buffers (1 byte per weight instead of 4)."""
         aq, wq = self.input_quantizer, self.weight_quantizer
-        w_scale = wq.channel_scale(self.weight).detach().clone()
+        if not aq.dynamic:
+            aq._check_ready()
+        w_scale = wq.channel_scale(self.weight).detach().contiguous().clone()
         q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
         z_x = torch.zeros(1, dtype=torch.int32) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
         return DeployedIntLinear(
@@ -135,7 +140,7 @@ class DeployedIntLinear(nn.Module):
         self.out_features, self.in_features = q_w.shape
         self.register_buffer("q_w", q_w)  # (N, K) int8
         self.register_buffer("w_colsum", q_w.sum(dim=1, dtype=torch.int32))  # (N,) int32
-        self.register_buffer("w_scale", w_scale.to(torch.float32))  # (N,)
+        self.register_buffer("w_scale", w_scale.to(torch.float32).contiguous())  # (N,)
         self.register_buffer("bias", bias)
         self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
         self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))

@@ -8,6 +8,8 @@ Both are shared, unchanged, by the fake-quant and the integer modules: the swap 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -52,8 +54,12 @@ class ActivationQuantizer(nn.Module):
             self.register_buffer("zero_point", zero_point)
         self.register_buffer("min_val", torch.zeros(1))
         self.register_buffer("max_val", torch.zeros(1))
+        # The flags live in buffers (so checkpoints carry them) and are mirrored as Python bools:
+        # forward branches on the mirrors, which torch.compile can guard on without a graph break.
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
         self.register_buffer("observer_enabled", torch.ones((), dtype=torch.bool))
+        self._initialized, self._observer_enabled = False, True
+        self.register_load_state_dict_post_hook(_sync_flags)
 
     # -- observing ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -72,8 +78,8 @@ class ActivationQuantizer(nn.Module):
             lo, hi = x.min().reshape(1), x.max().reshape(1)
         lo = _all_reduce_(lo.clone(), dist.ReduceOp.MIN)
         hi = _all_reduce_(hi.clone(), dist.ReduceOp.MAX)
-        if not bool(self.initialized) or self.spec.observer == "minmax":
-            first = not bool(self.initialized)
+        if not self._initialized or self.spec.observer == "minmax":
+            first = not self._initialized
             self.min_val.copy_(lo if first else torch.minimum(self.min_val, lo))
             self.max_val.copy_(hi if first else torch.maximum(self.max_val, hi))
         else:  # moving_average and percentile: exponential moving average of the range
@@ -81,24 +87,43 @@ class ActivationQuantizer(nn.Module):
             self.min_val.add_(c * (lo - self.min_val))
             self.max_val.add_(c * (hi - self.max_val))
         self.initialized.fill_(True)
+        self._initialized = True
         scale, zero_point = _scale_zero_point(self.min_val, self.max_val, self.qmin, self.qmax, self.spec.symmetric)
         self.scale.data.copy_(scale)
         self.zero_point.data.copy_(zero_point.to(torch.float32))
 
+    @torch.no_grad()
+    def set_qparams(self, scale: Tensor | float, zero_point: Tensor | float, freeze: bool = True) -> None:
+        """Take scale / zero point from elsewhere (another library's fake quantizer, a checkpoint)."""
+        self.scale.data.copy_(torch.as_tensor(scale, dtype=torch.float32).reshape(1))
+        self.zero_point.data.copy_(torch.as_tensor(zero_point, dtype=torch.float32).reshape(1))
+        self.initialized.fill_(True)
+        self._initialized = True
+        if freeze:
+            self.enable_observer(False)
+
     def enable_observer(self, enabled: bool = True) -> None:
         self.observer_enabled.fill_(enabled)
+        self._observer_enabled = bool(enabled)
 
     @property
     def observing(self) -> bool:
-        return self.training and not self.dynamic and bool(self.observer_enabled)
+        return self.training and not self.dynamic and self._observer_enabled
 
     # -- use -----------------------------------------------------------------------------
     def dynamic_scale(self, x2d: Tensor) -> Tensor:
         """Per-token symmetric scales (M,) from rows of x2d (M, K), the integer op's formula."""
         return torch.clamp(x2d.detach().abs().amax(dim=1) / self.qmax, min=SCALE_EPS)
 
-    def fake_quant(self, x: Tensor) -> Tensor:
-        """The fp32 simulation of what the integer op feeds its int_mm."""
+    def fake_quant(self, x: Tensor, per_tensor_dynamic: bool = False) -> Tensor:
+        """The fp32 simulation of what the integer op feeds its int_mm.
+
+        Dynamic scales are per token (row of the last dim) for linear layers; convolutions pass
+        per_tensor_dynamic=True, matching the integer conv's one scale per batch.
+        """
+        if self.dynamic and per_tensor_dynamic:
+            s = torch.clamp(x.detach().abs().amax() / self.qmax, min=SCALE_EPS).reshape(1)
+            return fake_quantize_ste(x, s, torch.zeros_like(s), self.qmin, self.qmax)
         if self.dynamic:
             x2d = x.reshape(-1, x.shape[-1])
             s = self.dynamic_scale(x2d)
@@ -112,7 +137,7 @@ class ActivationQuantizer(nn.Module):
     def _check_ready(self) -> None:
         if torch.compiler.is_exporting() or torch.compiler.is_compiling():
             return  # traced programs cannot branch on buffer values; eager runs checked already
-        if not bool(self.initialized) and not self.spec.learnable:
+        if not self._initialized and not self.spec.learnable:
             raise RuntimeError(
                 "activation quantizer has no scale yet: run training batches with the observer enabled "
                 "(model.train()) or calibrate before evaluating"
@@ -121,6 +146,24 @@ class ActivationQuantizer(nn.Module):
     def extra_repr(self) -> str:
         kind = "dynamic per-token" if self.dynamic else "static per-tensor"
         return f"{kind}, bits={self.spec.bits}, symmetric={self.spec.symmetric}, learnable={self.spec.learnable}"
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward (bit for bit); gradient times a constant."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def _sync_flags(module: ActivationQuantizer, _incompatible_keys) -> None:
+    module._initialized = bool(module.initialized)
+    module._observer_enabled = bool(module.observer_enabled)
 
 
 class WeightQuantizer(nn.Module):
@@ -147,9 +190,18 @@ class WeightQuantizer(nn.Module):
         return torch.clamp(amax / self.qmax, min=SCALE_EPS)
 
     def channel_scale(self, weight: Tensor) -> Tensor:
-        """The (N,) scale the integer op takes (per-tensor scales are expanded, gradient still flows)."""
+        """The (N,) scale the integer op takes.
+
+        A learned per-tensor scale is expanded to (N,): the ops apply LSQ's gradient scale per
+        row (1/sqrt(K * qmax)), so the expand's backward rescales by 1/sqrt(N) to give the
+        per-tensor factor 1/sqrt(N * K * qmax) without touching the forward value.
+        """
         s = self.scale if self.scale is not None else self.minmax_scale(weight)
-        return s.expand(weight.shape[0]) if s.numel() == 1 else s
+        if s.numel() != 1:
+            return s
+        if s.requires_grad:
+            s = _ScaleGrad.apply(s, 1.0 / math.sqrt(weight.shape[0]))
+        return s.expand(weight.shape[0])
 
     def fake_quant(self, weight: Tensor) -> Tensor:
         s = self.channel_scale(weight)
