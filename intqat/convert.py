@@ -55,10 +55,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _inside_mha(parent: nn.Module) -> bool:
-    return isinstance(parent, nn.MultiheadAttention)
-
-
 def prepare_qat(
     model: nn.Module, config: QuantConfig | str | dict | None = "w8a8", filter_fn: FilterFn | None = None
 ) -> nn.Module:
@@ -68,6 +64,8 @@ def prepare_qat(
     FakeQuantConv2d and its slot becomes nn.Identity. `filter_fn(module, fqn)` -> False keeps a
     module float. Modules it cannot quantize stay float; one warning names them all.
     """
+    from intqat import interop  # noqa: F401  (other libraries' QAT modules count as prepared)
+
     cfg = resolve_config(config)
     skipped: list[str] = []
     _prepare(model, "", cfg, filter_fn, skipped)
@@ -126,14 +124,20 @@ def to_integer(
     """
     from intqat import interop  # noqa: F401  (registers the other libraries' converters)
 
+    # a model that holds any quantized module was prepared already (maybe with a filter_fn that
+    # kept some layers float on purpose): only a purely float model is prepared here
     has_source = any(
-        isinstance(m, FAKE_QUANT_TYPES) or any(p(m) for p, _ in _CONVERTERS) for m in model.modules()
+        isinstance(m, QUANT_TYPES) or any(p(m) for p, _ in _CONVERTERS) for m in model.modules()
     )
     skipped: list[str] = []
     if not has_source:
         _prepare(model, "", resolve_config(config or "w8a8"), filter_fn, skipped)
     if calibration_data is not None:
-        calibrate(model, calibration_data)
+        batches = list(calibration_data)  # used twice below: a generator must not run dry
+        if batches:
+            first = batches[0][0] if isinstance(batches[0], (tuple, list)) else batches[0]
+            interop.attach_torch_ao_input_qparams(model, (first,))
+        calibrate(model, batches)
     _swap_to_integer(model, "", filter_fn, skipped)
     if skipped:
         unique = list(dict.fromkeys(skipped))  # one line per module, even if both passes met it
@@ -190,6 +194,8 @@ def _swap_deployed(parent: nn.Module) -> None:
 def calibrate(model: nn.Module, batches: Iterable) -> nn.Module:
     """Observe activation ranges on batches without training (BN statistics untouched)."""
     quantizers = [m for m in model.modules() if isinstance(m, ActivationQuantizer) and not m.dynamic]
+    if not quantizers:
+        return model  # nothing to observe; other libraries' observers must not move either
     was_training = model.training
     model.eval()
     for q in quantizers:
