@@ -10,6 +10,7 @@
 from intqat.config import PRESETS, QuantConfig, QuantSpec, resolve_config
 from intqat.convert import (
     calibrate,
+    chain_int8,
     freeze_bn_stats,
     freeze_observers,
     prepare_qat,
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QuantConfig", "QuantSpec", "PRESETS", "resolve_config",
-    "prepare_qat", "to_integer", "to_deployed", "calibrate",
+    "prepare_qat", "to_integer", "to_deployed", "calibrate", "chain_int8",
     "freeze_observers", "freeze_bn_stats", "quantized_modules", "register_converter",
 ]
 

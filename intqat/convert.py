@@ -31,6 +31,7 @@ __all__ = [
     "prepare_qat",
     "to_integer",
     "to_deployed",
+    "chain_int8",
     "calibrate",
     "freeze_observers",
     "freeze_bn_stats",
@@ -173,6 +174,44 @@ def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, skipped: list[st
             skipped.append(f"{fqn} (nn.MultiheadAttention reads out_proj.weight directly)")
             continue
         _swap_to_integer(child, fqn, filter_fn, skipped)
+
+
+def chain_int8(model: nn.Module) -> list[tuple[str, str]]:
+    """Make int8 -> int8 chains: in every nn.Sequential, IntLinear [-> ReLU] -> IntLinear pairs with
+    static activations. The producer requantizes its output onto the consumer's input grid (a
+    ReLU between them becomes a max on the codes), so deployed layers pass int8 codes to each other.
+
+    Training keeps working (the requantization has a straight-through gradient) and the
+    training forward stays the deployed arithmetic. The consumer's activation range must be
+    fixed first (freeze_observers). Returns the (producer, consumer) names chained.
+    """
+    chained: list[tuple[str, str]] = []
+    for prefix, seq in model.named_modules():
+        if not isinstance(seq, nn.Sequential):
+            continue
+        names = list(seq._modules)
+        i = 0
+        while i < len(names) - 1:
+            a, j, relu = seq._modules[names[i]], i + 1, False
+            if isinstance(seq._modules[names[j]], nn.ReLU) and j + 1 < len(names):
+                j, relu = j + 1, True
+            b = seq._modules[names[j]]
+            if type(a) is IntLinear and type(b) is IntLinear and a.output_quantizer is None:
+                q = b.input_quantizer
+                if q.dynamic:
+                    i += 1
+                    continue  # per-token scales exist only at run time: nothing to requantize onto
+                if q._observer_enabled or not q._initialized:
+                    raise ValueError(
+                        f"chain_int8: {_join(prefix, names[j])}'s activation range is not fixed yet; "
+                        "call intqat.freeze_observers(model) after scales are observed, then chain"
+                    )
+                a.output_quantizer, a.output_relu, b.input_chained = q, relu, True
+                if relu:
+                    seq._modules[names[i + 1]] = nn.Identity()
+                chained.append((_join(prefix, names[i]), _join(prefix, names[j])))
+            i += 1
+    return chained
 
 
 def to_deployed(model: nn.Module, inplace: bool = False) -> nn.Module:

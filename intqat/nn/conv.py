@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
-from intqat.ops.int_linear import rounded_zero_point
+from intqat.ops.int_linear import rounded_zero_point, weight_colsum
 from intqat.ops.qparams import SCALE_EPS
 from intqat.ops.quant import quantize
 
@@ -97,7 +97,8 @@ class FakeQuantConv2d(_QuantConvBase):
     def _conv(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        x = input
         x_hat = self.input_quantizer.fake_quant(x, per_tensor_dynamic=True)
         if self.bn is None or self.bn_frozen or not self.training:
             w, b = self.folded()
@@ -132,7 +133,8 @@ class IntConv2d(_QuantConvBase):
                     x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
                     w_clip_mask=wq.scale is not None)  # a min-max weight scale never clips
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        x = input
         aq = self.input_quantizer
         if aq.observing:
             aq.observe(x)
@@ -144,7 +146,7 @@ class IntConv2d(_QuantConvBase):
             return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
         with torch.no_grad():
             q_w, z_x = self._codes(w, w_scale)
-            colsum = q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32)
+            colsum = weight_colsum(q_w.reshape(q_w.shape[0], -1))
             return _deployed_conv(x, q_w, colsum, w_scale.detach().reshape(-1), None if b is None else b.detach(),
                                   aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic,
                                   self.stride, self.padding, self.dilation, self.groups)
@@ -177,7 +179,7 @@ class DeployedIntConv2d(nn.Module):
     def __init__(self, q_w, w_scale, bias, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic, stride, padding, dilation, groups):
         super().__init__()
         self.register_buffer("q_w", q_w)  # (O, C/g, kh, kw) int8
-        self.register_buffer("w_colsum", q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32))
+        self.register_buffer("w_colsum", weight_colsum(q_w.reshape(q_w.shape[0], -1)))
         self.register_buffer("w_scale", w_scale.to(torch.float32).contiguous())
         self.register_buffer("bias", bias)
         self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
@@ -185,7 +187,8 @@ class DeployedIntConv2d(nn.Module):
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        x = input
         return _deployed_conv(x, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
                               self.x_qmin, self.x_qmax, self.x_dynamic, self.stride, self.padding, self.dilation, self.groups)
 

@@ -20,8 +20,11 @@ from intqat.ops.int_linear import (
     quantize_activation,
     quantize_weight,
     rounded_zero_point,
+    weight_colsum,
 )
 from intqat.ops.int_mm import int_mm
+from intqat.ops.quant import quantize
+from intqat.nn.fake_quantize import fake_quantize_ste
 
 __all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear"]
 
@@ -58,13 +61,26 @@ class FakeQuantLinear(_QuantLinearBase):
             WeightQuantizer(config.weight, linear.weight).to(linear.weight.device),
         )
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        x = input
         return F.linear(self.input_quantizer.fake_quant(x), self.weight_quantizer.fake_quant(self.weight), self.bias)
 
 
 class IntLinear(_QuantLinearBase):
     """The integer layer. Training: the differentiable `intqat::int_linear` op. Eval: the same
-    functions composed of aten ops (portable through torch.export), so both give the same bits."""
+    functions composed of aten ops (portable through torch.export), so both give the same bits.
+
+    int8 -> int8 chains (`intqat.chain_int8`): a producer holds its consumer's input quantizer as
+    `output_quantizer` and emits dequantize(requantize(y)) (optionally ReLU'd: max(q, z) on the
+    codes); the consumer's quantize recovers exactly those codes. Deployed, the producer returns the
+    int8 codes and the consumer takes them as they are: no float round trip, the same numbers.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.output_quantizer: ActivationQuantizer | None = None  # set by chain_int8 (shared module)
+        self.output_relu = False
+        self.input_chained = False  # the input comes from a chained producer (deploys as codes)
 
     @classmethod
     def from_fake_quant(cls, fq: FakeQuantLinear) -> "IntLinear":
@@ -76,7 +92,8 @@ class IntLinear(_QuantLinearBase):
         return dict(x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
                     w_clip_mask=wq.scale is not None)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        x = input
         aq = self.input_quantizer
         if aq.observing:
             aq.observe(x)
@@ -86,19 +103,28 @@ class IntLinear(_QuantLinearBase):
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
-            return int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
-        return self._integer_forward(x, w_scale)
+            y = int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+        else:
+            y = self._integer_forward(x, w_scale)
+        return self._requantize(y)
+
+    def _requantize(self, y: Tensor) -> Tensor:
+        """Chained producer: y -> dequantize(quantize(y)) on the consumer's grid, STE gradient."""
+        oq = self.output_quantizer
+        if oq is None:
+            return y
+        y = fake_quantize_ste(y, oq.scale, oq.zero_point, oq.qmin, oq.qmax)
+        return torch.relu(y) if self.output_relu else y  # relu((q - z) s) = (max(q, z) - z) s exactly
 
     def _integer_forward(self, x: Tensor, w_scale: Tensor) -> Tensor:
         """The deploy arithmetic in plain aten ops: exactly what the op's forward runs."""
         aq, wq = self.input_quantizer, self.weight_quantizer
         q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
         if aq.dynamic:
-            z_x = torch.zeros(1, dtype=torch.int32, device=x.device)
-            w_colsum = torch.zeros(1, dtype=torch.int32, device=x.device)
+            z_x = w_colsum = None
         else:
             z_x = rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
-            w_colsum = q_w.sum(dim=1, dtype=torch.int32)
+            w_colsum = weight_colsum(q_w)
         return _apply(x, q_w, w_colsum, w_scale.detach(), self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic)
 
     @torch.no_grad()
@@ -110,6 +136,7 @@ class IntLinear(_QuantLinearBase):
         w_scale = wq.channel_scale(self.weight).detach().contiguous().clone()
         q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
         z_x = torch.zeros(1, dtype=torch.int32) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
+        oq = self.output_quantizer
         return DeployedIntLinear(
             q_w=q_w,
             w_scale=w_scale,
@@ -119,14 +146,24 @@ class IntLinear(_QuantLinearBase):
             x_qmin=aq.qmin,
             x_qmax=aq.qmax,
             x_dynamic=aq.dynamic,
+            input_codes=self.input_chained,
+            out_qparams=None if oq is None else (
+                oq.scale.detach().clone(), rounded_zero_point(oq.zero_point, oq.qmin, oq.qmax), oq.qmin, oq.qmax, self.output_relu
+            ),
         )
 
 
-def _apply(x, q_w, w_colsum, w_scale, bias, x_scale, z_x, x_qmin, x_qmax, x_dynamic) -> Tensor:
-    """x (..., K) -> y (..., N) through int8 codes; shared by IntLinear (eval) and DeployedIntLinear."""
+def _apply(x, q_w, w_colsum, w_scale, bias, x_scale, z_x, x_qmin, x_qmax, x_dynamic, input_codes=False) -> Tensor:
+    """x (..., K) -> y (..., N) through int8 codes; shared by IntLinear (eval) and DeployedIntLinear.
+    input_codes: x already holds the int8 codes (a chained producer made them)."""
     lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    q_x, _, s_x = quantize_activation(x2d, x_scale, z_x, x_qmin, x_qmax, x_dynamic, need_mask=False)
+    if input_codes:
+        q_x, s_x = x.reshape(-1, x.shape[-1]), x_scale.detach().reshape(1, 1).to(torch.float32)
+    else:
+        x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        q_x, _, s_x = quantize_activation(x2d, x_scale, z_x, x_qmin, x_qmax, x_dynamic, need_mask=False)
+    if x_dynamic:
+        z_x = w_colsum = None  # symmetric per-token codes: no zero-point correction
     acc = int_mm(q_x, q_w.t())
     y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, None if bias is None else bias.detach())
     return y.reshape(*lead, q_w.shape[0])
@@ -135,23 +172,36 @@ def _apply(x, q_w, w_colsum, w_scale, bias, x_scale, z_x, x_qmin, x_qmax, x_dyna
 class DeployedIntLinear(nn.Module):
     """Inference-only integer linear layer with int8 weights: what `torch.export` packages."""
 
-    def __init__(self, q_w, w_scale, bias, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic):
+    def __init__(self, q_w, w_scale, bias, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic,
+                 input_codes: bool = False, out_qparams: tuple | None = None):
         super().__init__()
+        self.input_codes = input_codes  # takes int8 codes from a chained producer
+        self.out_codes = out_qparams is not None  # returns int8 codes for a chained consumer
+        if out_qparams is not None:
+            out_scale, out_zero_point, self.out_qmin, self.out_qmax, self.out_relu = out_qparams
+            self.register_buffer("out_scale", out_scale.to(torch.float32).reshape(1))
+            self.register_buffer("out_zero_point", out_zero_point.to(torch.int32).reshape(1))
         self.out_features, self.in_features = q_w.shape
         self.register_buffer("q_w", q_w)  # (N, K) int8
-        self.register_buffer("w_colsum", q_w.sum(dim=1, dtype=torch.int32))  # (N,) int32
+        self.register_buffer("w_colsum", weight_colsum(q_w))  # (N,) int32
         self.register_buffer("w_scale", w_scale.to(torch.float32).contiguous())  # (N,)
         self.register_buffer("bias", bias)
         self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
         self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
 
-    def forward(self, x: Tensor) -> Tensor:
-        colsum = torch.zeros_like(self.w_colsum[:1]) if self.x_dynamic else self.w_colsum
-        return _apply(
-            x, self.q_w, colsum, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
-            self.x_qmin, self.x_qmax, self.x_dynamic,
+    def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
+        if self.input_codes and input.dtype != torch.int8:
+            raise ValueError(f"this chained layer takes int8 codes from its producer, got {input.dtype}")
+        y = _apply(
+            input, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
+            self.x_qmin, self.x_qmax, self.x_dynamic, self.input_codes,
         )
+        if not self.out_codes:
+            return y
+        # requantize for the consumer: int8 codes out, no float round trip between the layers
+        q = quantize(y, self.out_scale.reshape(()), self.out_zero_point.reshape(()), self.out_qmin, self.out_qmax)
+        return torch.maximum(q, self.out_zero_point.to(torch.int8)) if self.out_relu else q
 
     def extra_repr(self) -> str:
         kind = "dynamic per-token" if self.x_dynamic else "static"

@@ -56,6 +56,7 @@ class ActivationQuantizer(nn.Module):
         self.register_buffer("max_val", torch.zeros(1))
         # The flags live in buffers (so checkpoints carry them) and are mirrored as Python bools:
         # forward branches on the mirrors, which torch.compile can guard on without a graph break.
+        # Change them through enable_observer / set_qparams / load_state_dict, not the buffers.
         self.register_buffer("initialized", torch.zeros((), dtype=torch.bool))
         self.register_buffer("observer_enabled", torch.ones((), dtype=torch.bool))
         self._initialized, self._observer_enabled = False, True
@@ -108,12 +109,14 @@ class ActivationQuantizer(nn.Module):
 
     @property
     def observing(self) -> bool:
-        return self.training and not self.dynamic and self._observer_enabled
+        # a learned (LSQ) scale is only initialised by the observer: observing later would undo learning
+        return (self.training and not self.dynamic and self._observer_enabled
+                and not (self.spec.learnable and self._initialized))
 
     # -- use -----------------------------------------------------------------------------
     def dynamic_scale(self, x2d: Tensor) -> Tensor:
         """Per-token symmetric scales (M,) from rows of x2d (M, K), the integer op's formula."""
-        return torch.clamp(x2d.detach().abs().amax(dim=1) / self.qmax, min=SCALE_EPS)
+        return torch.clamp(torch.linalg.vector_norm(x2d.detach(), float("inf"), dim=1) / self.qmax, min=SCALE_EPS)
 
     def fake_quant(self, x: Tensor, per_tensor_dynamic: bool = False) -> Tensor:
         """The fp32 simulation of what the integer op feeds its int_mm.
@@ -186,7 +189,9 @@ class WeightQuantizer(nn.Module):
 
     def minmax_scale(self, weight: Tensor) -> Tensor:
         w = weight.detach().reshape(weight.shape[0], -1)
-        amax = w.abs().amax(dim=1) if self.per_channel else w.abs().amax().reshape(1)
+        # vector_norm(inf) = max |w| in one pass, without materialising |w|
+        amax = torch.linalg.vector_norm(w, float("inf"), dim=1 if self.per_channel else None)
+        amax = amax.reshape(-1)
         return torch.clamp(amax / self.qmax, min=SCALE_EPS)
 
     def channel_scale(self, weight: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops.int_linear import integer_epilogue, rounded_zero_point
+from intqat.ops.int_linear import integer_epilogue, rounded_zero_point, weight_colsum
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS
@@ -101,7 +101,7 @@ def _int_conv2d_op(
     else:
         q_w, mask_w = quantize(w2, ws, 0, w_qmin, w_qmax, axis=0), None
     q_w = q_w.reshape(weight.shape)
-    colsum = torch.zeros(1, dtype=torch.int32, device=x.device) if x_dynamic else q_w.reshape(q_w.shape[0], -1).sum(1, dtype=torch.int32)
+    colsum = torch.zeros(1, dtype=torch.int32, device=x.device) if x_dynamic else weight_colsum(q_w.reshape(q_w.shape[0], -1))
     y = conv_codes_forward(q_x, z_x, s_x, q_w, colsum, ws, None if bias is None else bias.detach(),
                            stride, padding, dilation, groups, pad_value=int(z_x))
     empty = lambda: torch.empty(0, dtype=torch.bool, device=x.device)  # noqa: E731 (outputs may not alias)

@@ -1,0 +1,148 @@
+"""The shared timer: every speed number in intqat comes from here.
+
+Rules (so that a ratio means something on a shared, noisy machine):
+- candidates are timed in the SAME run, interleaved: repeat r times every candidate once, in an
+  order rotated by r, so a burst of machine noise hits all candidates alike;
+- warm-up first (oneDNN primitive creation, allocator growth, lazy imports are not timed);
+- one measurement = `inner` back-to-back calls (inner chosen so a measurement lasts >= min_time),
+  reported per call; the statistic is the median over repeats;
+- a ratio is the median over repeats of the per-repeat ratio (anchor and candidate timed seconds
+  apart), not a ratio of medians;
+- torch.set_num_threads is left alone (torch's default: one thread per core).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Timing", "time_interleaved", "speed_ratio", "machine_info", "machine_lines"]
+
+
+@dataclass
+class Timing:
+    """Seconds per call of one candidate, one entry per repeat."""
+
+    name: str
+    times: list[float] = field(default_factory=list)
+    inner: int = 1
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+
+def time_interleaved(
+    candidates: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 2,
+    min_time: float = 0.05,
+) -> dict[str, Timing]:
+    """Time each zero-argument callable; round-robin over candidates, `repeats` times.
+
+    `warmup` untimed rounds first (0 when the caller has warmed the candidates up already);
+    `min_time` <= 0: one call per measurement (for calls that last long enough on their own).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    names = list(candidates)
+    out = {n: Timing(n) for n in names}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()  # a collection inside one candidate's window would be charged to it alone
+    try:
+        for _ in range(warmup):
+            for n in names:
+                candidates[n]()
+        if min_time > 0:
+            for n in names:  # calls per measurement, from one more (warm) call
+                t0 = time.perf_counter()
+                candidates[n]()
+                dt = time.perf_counter() - t0
+                out[n].inner = max(1, math.ceil(min_time / max(dt, 1e-9)))
+        for r in range(repeats):
+            for i in range(len(names)):
+                n = names[(i + r) % len(names)]
+                fn, inner = candidates[n], out[n].inner
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                out[n].times.append((time.perf_counter() - t0) / inner)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return out
+
+
+def speed_ratio(anchor: Timing, candidate: Timing) -> float:
+    """How many times faster than the anchor (> 1: faster): median over repeats of t_anchor / t_cand."""
+    return statistics.median(a / c for a, c in zip(anchor.times, candidate.times))
+
+
+def _cpu_model_and_flags() -> tuple[str, set[str]]:
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or "unknown CPU", flags
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on (goes into every table header and JSON file)."""
+    model, flags = _cpu_model_and_flags()
+    try:
+        import importlib.metadata as md
+
+        torchao_version = md.version("torchao")
+    except Exception:  # not installed: the peers' rows say n/a
+        torchao_version = None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    return {
+        "cpu": model,
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "int8_isa": [f for f in ("amx_int8", "avx512_vnni", "avx_vnni") if f in flags],
+        "torch": torch.__version__,
+        "torchao": torchao_version,
+        "python": platform.python_version(),
+        "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+
+
+def machine_lines(info: dict | None = None) -> list[str]:
+    """The header lines every table starts with: the machine, and a warning when it was busy."""
+    info = info or machine_info()
+    isa = "+".join(info["int8_isa"]) or "no int8 dot-product ISA"
+    load = info["load_avg_1min"]
+    lines = [
+        f"machine: {info['cpu']} ({isa}), {info['cores']} cores, {info['torch_threads']} torch threads; "
+        f"torch {info['torch']}, torchao {info['torchao'] or 'not installed'}"
+        + ("" if load is None else f"; 1-min load avg before the run {load:.2f}")
+    ]
+    if load is not None and load > 0.5 * info["cores"]:
+        stall = (
+            " With several torch threads a descheduled OpenMP thread also stalls every parallel region, which "
+            "penalises many small kernels more than few large ones." if info["torch_threads"] > 1 else ""
+        )
+        lines.append(f"WARNING: other processes were using the CPUs: timings include their interference.{stall} "
+                     "Ratios are unreliable; measure on a quiet machine.")
+    return lines

@@ -1,0 +1,97 @@
+"""intqat-bench: speed and memory of intqat's integer ops and modules against their peers.
+
+    intqat-bench ops                 int_mm and one linear layer (M=256, K=N=1024)
+    intqat-bench modules             train steps of an MLP and a CNN, peak memory, deploy mismatch
+    intqat-bench all --json out.json both, and the raw numbers (every repeat) as JSON
+    intqat-bench ops --quick         a seconds-long smoke run on small shapes (numbers not meaningful)
+    intqat-bench profile             torch.profiler top ops of int_linear forward+backward
+
+Every number is a ratio against an anchor timed in the same run (see intqat.bench.timing); run
+on a quiet machine: the header prints the load average, and with 2 cores another busy process
+stalls torch's OpenMP threads and skews ratios between kernels with many and few parallel regions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from dataclasses import replace
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="intqat-bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("ops", "int_mm and linear forward+backward"), ("modules", "MLP and CNN train steps"),
+                        ("all", "ops, then modules"), ("profile", "top ops of int_linear forward+backward")):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--quick", action="store_true", help="small shapes, 2 repeats: a smoke run (numbers not meaningful)")
+        sp.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
+        sp.add_argument("--json", metavar="PATH", default=None, help="also write the results (every repeat) as JSON")
+        if name in ("ops", "all", "profile"):
+            sp.add_argument("-M", type=int, default=None, help="rows of x (tokens); default 256")
+            sp.add_argument("-K", type=int, default=None, help="in features; default 1024")
+            sp.add_argument("-N", type=int, default=None, help="out features; default 1024")
+    return p
+
+
+def _ops_settings(args):
+    from intqat.bench.ops import OpsSettings
+
+    s = OpsSettings.quick() if args.quick else OpsSettings()
+    over = {k: v for k, v in (("M", args.M), ("K", args.K), ("N", args.N), ("repeats", args.repeats)) if v is not None}
+    return replace(s, **over)
+
+
+def _modules_settings(args):
+    from intqat.bench.modules import ModulesSettings
+
+    s = ModulesSettings.quick() if args.quick else ModulesSettings()
+    return replace(s, repeats=args.repeats) if args.repeats is not None else s
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        print("intqat-bench: --repeats must be >= 1", file=sys.stderr)
+        return 2
+    from intqat.bench.timing import machine_info
+
+    info = machine_info()  # once, before this run adds its own load
+    out: dict = {}
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peers' deprecation notices would bury the tables
+        if args.command in ("ops", "all"):
+            from intqat.bench.ops import run_ops
+
+            table = run_ops(_ops_settings(args), info)
+            print(table.render(), end="\n\n", flush=True)
+            out["ops"] = table.to_dict()
+        if args.command in ("modules", "all"):
+            from intqat.bench.modules import run_modules
+
+            table = run_modules(_modules_settings(args), info)
+            print(table.render(), end="\n\n", flush=True)
+            out["modules"] = table.to_dict()
+        if args.command == "profile":
+            from intqat.bench.profile import profile_int_linear
+
+            s = _ops_settings(args)
+            text, rows = profile_int_linear(s.M, s.K, s.N, steps=args.repeats or (5 if args.quick else 20))
+            print(text, flush=True)
+            out["profile"] = rows
+    print(f"intqat-bench {args.command}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
