@@ -519,7 +519,11 @@ def test_training_continues_after_to_integer(arch, cfg):
     with torch.no_grad():
         target = teacher(data)
     intqat.prepare_qat(model, cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    # LSQ scales (~1e-2) get a smaller step than the weights, as one would set them up in practice
+    scales = [p for n, p in model.named_parameters() if n.endswith(("scale", "zero_point"))]
+    weights = [p for n, p in model.named_parameters() if not n.endswith(("scale", "zero_point"))]
+    groups = [{"params": weights}] + ([{"params": scales, "lr": 3e-4}] if scales else [])
+    opt = torch.optim.Adam(groups, lr=3e-3)
     model.train()
 
     def step(i):

@@ -1,0 +1,311 @@
+"""intqat-export: a training checkpoint -> model.pt2 + report.json + report.md.
+
+    intqat-export runs/mlp_digits_w8a8/2025-01-01_12-00-00          # a run dir: its config, last.ckpt
+    intqat-export path/to/last.ckpt --recipe mlp_digits_w8a8 --out export/
+    intqat-export RUN_DIR --low-precision fp16 --data-max 256 model.hidden=[64,64]
+
+The model is rebuilt from the run's composed config (RUN_DIR/.hydra/config.yaml, or config.yaml)
+or from --recipe (plus key=value overrides), given the quantized layers the checkpoint records
+(checkpoint["intqat"], intqat.callback's format) and loaded strictly; then
+intqat.export_mixed_precision calibrates on the validation split and measures the error and
+accuracy on the test split (--split).
+
+Exit codes: 0 written; 1 the checkpoint, config or data cannot be used (the message names the
+file and what is wrong; nothing is written); 2 a wrong command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EXIT_ERROR, EXIT_USAGE = 1, 2
+CONFIG_FILES = (".hydra/config.yaml", "config.yaml")  # where a run directory keeps its config
+
+
+class ExportError(Exception):
+    """What the user must fix, as one message; exit code `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Source:
+    checkpoint: Path
+    run_dir: Path | None  # the intqat-train output directory, when there is one
+
+
+# -- where things are ---------------------------------------------------------------------------------
+def _run_config(run_dir: Path) -> Path | None:
+    return next((run_dir / f for f in CONFIG_FILES if (run_dir / f).is_file()), None)
+
+
+def find_source(path: Path) -> Source:
+    """A .ckpt file, or a run directory (its checkpoints/last.ckpt, else its only checkpoint)."""
+    if not path.exists():
+        raise ExportError(f"{path} does not exist: give a checkpoint (.ckpt) or an intqat-train run directory", EXIT_USAGE)
+    if path.is_file():
+        # runs/<name>/<time>/checkpoints/last.ckpt: the run directory is two levels up
+        run_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        return Source(path, run_dir if _run_config(run_dir) else None)
+    ckpts = sorted((path / "checkpoints").glob("*.ckpt")) or sorted(path.glob("*.ckpt"))
+    last = [c for c in ckpts if c.name == "last.ckpt"]
+    if last:
+        return Source(last[0], path)
+    if len(ckpts) == 1:
+        return Source(ckpts[0], path)
+    if not ckpts:
+        raise ExportError(f"run directory {path} holds no checkpoint (looked for checkpoints/*.ckpt and *.ckpt)")
+    names = ", ".join(str(c) for c in ckpts)
+    raise ExportError(f"run directory {path} holds several checkpoints and no last.ckpt ({names}): give one of them", EXIT_USAGE)
+
+
+def load_config(source: Source, recipe: str | None, overrides: list[str]) -> tuple[Any, str]:
+    """(config, where it came from): --recipe composed with overrides, else the run's config."""
+    from omegaconf import OmegaConf
+
+    if recipe is not None:
+        from hydra import compose, initialize_config_dir
+
+        from intqat.cli.train import available_recipes, recipes_dir
+
+        if recipe not in available_recipes():
+            raise ExportError(f"unknown recipe {recipe!r}; available recipes: {', '.join(available_recipes())}", EXIT_USAGE)
+        try:
+            with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3", job_name="intqat_export"):
+                cfg = compose(config_name=recipe, overrides=overrides)
+        except Exception as e:  # noqa: BLE001  (Hydra raises several types; all mean "bad override")
+            raise ExportError(f"cannot compose recipe {recipe!r} with {' '.join(overrides)}: {e}", EXIT_USAGE) from None
+        return cfg, f"recipe {recipe}" + (f" with {' '.join(overrides)}" if overrides else "")
+    config_file = _run_config(source.run_dir) if source.run_dir else None
+    if config_file is None:
+        from intqat.cli.train import available_recipes
+
+        raise ExportError(
+            f"cannot tell which recipe {source.checkpoint} came from: no {' or '.join(CONFIG_FILES)} in its run "
+            f"directory; give --recipe NAME (available: {', '.join(available_recipes())})", EXIT_USAGE)
+    try:
+        cfg = OmegaConf.load(config_file)
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except Exception as e:  # noqa: BLE001  (YAML and OmegaConf errors)
+        raise ExportError(f"cannot read the run config {config_file}: {e}") from None
+    return cfg, str(config_file)
+
+
+# -- the checkpoint ---------------------------------------------------------------------------------
+def load_checkpoint(path: Path) -> dict:
+    import torch
+
+    if not path.is_file():
+        raise ExportError(f"checkpoint {path} is not a file")
+    if not zipfile.is_zipfile(path):
+        raise ExportError(f"cannot read checkpoint {path}: not a PyTorch checkpoint (torch.save writes a zip "
+                          "archive; this file is not one): corrupt, truncated or another kind of file")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  (zip, pickle and tensor errors all mean "unreadable")
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        # torch's weights_only message ends with the actual reason
+        raise ExportError(f"cannot read checkpoint {path}: {lines[-1] if lines else type(e).__name__}") from None
+    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+        keys = ", ".join(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise ExportError(f"checkpoint {path} is not a Lightning checkpoint: no 'state_dict' (it holds {keys})")
+    return ckpt
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b), key=str):
+        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += _diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: checkpoint {va!r}, config {vb!r}")
+    return out
+
+
+def _state_dict_problems(model, state: dict) -> list[str]:
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} {tuple(state[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+              for k, v in own.items() if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
+    out = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes)):
+        if keys:
+            out.append(f"{what}: {', '.join(keys[:6])}" + (f" (+{len(keys) - 6} more)" if len(keys) > 6 else ""))
+    return out
+
+
+def _stage(record: dict) -> str:
+    kinds = {rec.get("kind") for rec in record.values()}
+    return "integer" if "integer" in kinds else "fake-quant" if kinds else "fp32"
+
+
+def rebuild_model(cfg, ckpt: dict, path: Path, config_desc: str):
+    """(model of `cfg` with the checkpoint's quantized layers and weights, its stage)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+    from torch import nn
+
+    from intqat.callback import CHECKPOINT_KEY, restore_quant_structure
+
+    if cfg.get("model") is None:
+        raise ExportError(f"the config ({config_desc}) has no 'model' section to rebuild the model from")
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    trained = (ckpt.get("hyper_parameters") or {}).get("model")
+    if isinstance(trained, dict) and trained != model_cfg:
+        differences = "; ".join(_diff(trained, model_cfg))
+        raise ExportError(f"checkpoint {path} does not come from {config_desc}: its model differs ({differences})")
+    record = (ckpt.get(CHECKPOINT_KEY) or {}).get("modules")
+    if not isinstance(record, dict):
+        raise ExportError(f"checkpoint {path} has no quantization record (checkpoint[{CHECKPOINT_KEY!r}]['modules']): "
+                          "it was not saved by intqat-train (ClassificationModule or the IntQAT callback)")
+    stage = _stage(record)
+    if stage == "fp32":
+        raise ExportError(f"checkpoint {path} holds a float model (no quantized layer): there is nothing integer to "
+                          "export; use a checkpoint saved after QAT's integer stage (last.ckpt of a run with quant=w8a8)")
+    # intqat-train's ClassificationModule holds the network as .model: checkpoint keys and the
+    # record's layer names start with "model."
+    root = nn.Module()
+    try:
+        root.add_module("model", instantiate(model_cfg))
+        restore_quant_structure(root, ckpt)
+    except Exception as e:  # noqa: BLE001  (a user's model class, a record for another architecture)
+        raise ExportError(f"checkpoint {path} does not fit the model of {config_desc}: {type(e).__name__}: {e}") from None
+    state = {k: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    problems = _state_dict_problems(root, state)
+    if problems:
+        raise ExportError(f"checkpoint {path} does not fit the model of {config_desc}: " + "; ".join(problems))
+    root.load_state_dict(state, strict=True)
+    return root.model.eval(), stage
+
+
+# -- the data -----------------------------------------------------------------------------------------
+def data_batches(cfg, n_calibration: int, split: str) -> tuple[Any, list, list]:
+    """(example input, calibration batches from val, validation batches from `split`)."""
+    from hydra.utils import instantiate
+
+    try:
+        datamodule = instantiate(cfg.data)
+        datamodule.setup("fit")
+        datamodule.setup("test")
+        calibration = []
+        for batch in datamodule.val_dataloader():
+            calibration.append(tuple(batch))
+            if len(calibration) >= n_calibration:
+                break
+        loader = datamodule.test_dataloader() if split == "test" else datamodule.val_dataloader()
+        validation = [tuple(b) for b in loader]
+    except Exception as e:  # noqa: BLE001  (a missing data set, a user's datamodule)
+        raise ExportError(f"cannot load the data of the config (needed to calibrate and to measure the error): "
+                          f"{type(e).__name__}: {e}") from None
+    if not calibration or not validation:
+        raise ExportError(f"the data of the config yields no {'validation' if not calibration else split} batch")
+    return calibration[0][0][:2], calibration, validation
+
+
+# -- the command line -----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="intqat-export",
+        description="Export a QAT checkpoint as a portable mixed-precision torch.export program "
+                    "(model.pt2) with report.json and report.md.",
+        epilog="Exit codes: 0 written, 1 unusable checkpoint/config/data (nothing written), 2 usage error.",
+    )
+    p.add_argument("source", type=Path, help="a checkpoint (.ckpt) or an intqat-train run directory")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of the config, e.g. model.hidden=[64,64] (as for intqat-train)")
+    p.add_argument("--recipe", help="the recipe the checkpoint was trained with (default: the run's own config)")
+    p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export, or CKPT_STEM-export next to the checkpoint)")
+    p.add_argument("--low-precision", choices=("bf16", "fp16"), default="bf16", help="type of the float ops autocast lowers (default bf16)")
+    p.add_argument("--data-max", type=float, default=512.0, help="ops whose |values| exceed this on the calibration data stay fp32 (default 512)")
+    p.add_argument("--max-depth-of-reduction", type=int, help="reductions (matmul K, sums) deeper than this stay fp32")
+    p.add_argument("--exclude-node", action="append", default=[], metavar="REGEX", help="keep matching node names fp32 (repeatable)")
+    p.add_argument("--fp32-op", action="append", default=[], metavar="OP", help="keep this op fp32, on top of the defaults, e.g. aten.softmax (repeatable)")
+    p.add_argument("--calibration-batches", type=int, default=4, help="validation batches for data_max calibration (default 4)")
+    p.add_argument("--split", choices=("test", "val"), default="test", help="split the error and accuracy are measured on (default test)")
+    p.add_argument("--no-compress", action="store_true", help="store model.pt2 uncompressed, laid out as torch.export.save writes it")
+    return p
+
+
+def _autocast_options(args) -> dict[str, Any]:
+    import torch
+
+    from intqat.autocast import default_fp32_ops
+
+    options: dict[str, Any] = {
+        "low_precision_type": {"bf16": torch.bfloat16, "fp16": torch.float16}[args.low_precision],
+        "data_max": args.data_max,
+        "max_depth_of_reduction": args.max_depth_of_reduction,
+        "nodes_to_exclude": list(args.exclude_node),
+    }
+    if args.fp32_op:
+        options["fp32_ops"] = [*default_fp32_ops(), *args.fp32_op]
+    return options
+
+
+def run(args) -> Path:
+    """Every check first, the export, then one atomic save; returns the output directory."""
+    from intqat.export import export_mixed_precision
+
+    from intqat.autocast import AutocastConfig
+
+    if args.calibration_batches < 1:
+        raise ExportError(f"--calibration-batches must be >= 1, got {args.calibration_batches}", EXIT_USAGE)
+    options = _autocast_options(args)
+    try:
+        AutocastConfig(**options)  # a bad regex or op name fails now, before any loading
+    except (TypeError, ValueError) as e:
+        raise ExportError(str(e), EXIT_USAGE) from None
+    source = find_source(args.source)
+    cfg, config_desc = load_config(source, args.recipe, list(args.overrides))
+    ckpt = load_checkpoint(source.checkpoint)
+    model, stage = rebuild_model(cfg, ckpt, source.checkpoint, config_desc)
+    example, calibration, validation = data_batches(cfg, args.calibration_batches, args.split)
+    result = export_mixed_precision(model, (example,), calibration_data=calibration,
+                                    validation_data=validation, **options)
+    result.info.update(source=f"{source.checkpoint} (stage {stage!r}, epoch {ckpt.get('epoch')}, "
+                              f"step {ckpt.get('global_step')}); config: {config_desc}",
+                       validation_split=args.split)
+    if args.out is not None:
+        out = args.out
+    elif source.run_dir is not None:
+        out = source.run_dir / "export"
+    else:
+        out = source.checkpoint.parent / f"{source.checkpoint.stem}-export"
+    try:
+        paths = result.save(out, compress=not args.no_compress)
+    except OSError as e:  # the save is atomic: nothing half-written is left behind
+        raise ExportError(f"cannot write the export into {out}: {e}") from None
+
+    v = result.validation
+    print(f"intqat-export: wrote {out}")
+    print(f"  model.pt2    {paths['model.pt2'].stat().st_size / 1024:.1f} KiB; nodes "
+          + ", ".join(f"{n} {p}" for p, n in sorted(result.report.counts().items())))
+    print(f"  error        max abs {v['max_abs_error']:.4g}, mean abs {v['mean_abs_error']:.4g} "
+          f"(vs the fp32 program, {v['samples']} {args.split} samples)")
+    if "accuracy" in v:
+        print(f"  accuracy     {100 * v['accuracy']:.2f}% (fp32 program {100 * v['accuracy_reference']:.2f}%)")
+    print(f"  report       {paths['report.md']}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_intermixed_args(argv)
+    try:
+        run(args)
+    except ExportError as e:
+        print(f"intqat-export: error: {e}", file=sys.stderr)
+        sys.exit(e.code)
+
+
+if __name__ == "__main__":
+    main()
