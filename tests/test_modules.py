@@ -978,3 +978,38 @@ def test_integer_modules_differentiable_in_eval_mode(layer):
     assert rel_err(x_eval.grad, gx_train) < 1e-5
     for n, p in model.named_parameters():
         assert p.grad is not None and rel_err(p.grad, grads_train[n]) < 1e-5, n
+
+
+def test_inference_codes_cache_follows_weight_updates():
+    """Eval reuses the weight codes between calls, and recomputes them after every update."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    intqat.prepare_qat(model)
+    x = torch.randn(32, 8)
+    model(x)  # observe
+    intqat.to_integer(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def fresh_eval(m):
+        m.eval()
+        for layer in m.modules():
+            layer.__dict__.pop("_codes_cache", None)
+        with torch.no_grad():
+            return m(x)
+
+    model.eval()
+    with torch.no_grad():
+        first = model(x)
+        assert torch.equal(model(x), first)  # served from the cache
+    assert "_codes_cache" in model[0].__dict__
+    model.train()
+    F.mse_loss(model(x), torch.randn(32, 4)).backward()
+    opt.step()  # in-place update: bumps the weights' version counters
+    model.eval()
+    with torch.no_grad():
+        after = model(x)
+    assert not torch.equal(after, first)
+    assert torch.equal(after, fresh_eval(copy.deepcopy(model)))
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)  # any in-place change counts
+        assert torch.equal(model(x), fresh_eval(copy.deepcopy(model)))

@@ -4,6 +4,8 @@
     intqat-bench modules             train steps of an MLP and a CNN, peak memory, deploy mismatch
     intqat-bench all --json out.json both, and the raw numbers (every repeat) as JSON
     intqat-bench ops --quick         a seconds-long smoke run on small shapes (numbers not meaningful)
+    intqat-bench export              exported mixed-precision program vs fp32 eager (digits MLP)
+    intqat-bench compile             torch.compile vs eager train step of the integer MLP and CNN
     intqat-bench profile             torch.profiler top ops of int_linear forward+backward
 
 Every number is a ratio against an anchor timed in the same run (see intqat.bench.timing); run
@@ -14,6 +16,7 @@ stalls torch's OpenMP threads and skews ratios between kernels with many and few
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import time
@@ -28,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("ops", "int_mm and linear forward+backward"), ("modules", "MLP and CNN train steps"),
-                        ("all", "ops, then modules"), ("profile", "top ops of int_linear forward+backward")):
+                        ("export", "exported mixed-precision program vs fp32 eager vs integer eval"),
+                        ("compile", "torch.compile vs eager train step of the integer models"),
+                        ("all", "ops, modules, export, compile"), ("profile", "top ops of int_linear forward+backward")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--quick", action="store_true", help="small shapes, 2 repeats: a smoke run (numbers not meaningful)")
         sp.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
@@ -79,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             table = run_modules(_modules_settings(args), info)
             print(table.render(), end="\n\n", flush=True)
             out["modules"] = table.to_dict()
+        if args.command in ("export", "all"):
+            from intqat.bench.export import format_table, run_export_bench
+
+            rows = run_export_bench(quick=args.quick, repeats=args.repeats)
+            print(format_table(rows), end="\n\n", flush=True)
+            out["export"] = rows
+        if args.command in ("compile", "all"):
+            from intqat.bench.compile import format_table as compile_table, run_compile_bench
+
+            rows = run_compile_bench(quick=args.quick, repeats=args.repeats)
+            print(compile_table(rows, info), end="\n\n", flush=True)
+            out["compile"] = rows
         if args.command == "profile":
             from intqat.bench.profile import profile_int_linear
 
@@ -88,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             out["profile"] = rows
     print(f"intqat-bench {args.command}: {time.perf_counter() - t0:.1f} s", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
+        tmp = f"{args.json}.tmp"  # written whole, then renamed: never a half file
+        with open(tmp, "w") as f:
             json.dump(out, f, indent=1, default=str)
+        os.replace(tmp, args.json)
     return 0
 
 

@@ -99,13 +99,13 @@ class IntLinear(_QuantLinearBase):
             aq.observe(x)
         if not aq.dynamic:
             aq._check_ready()
-        w_scale = self.weight_quantizer.channel_scale(self.weight)
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
+            w_scale = self.weight_quantizer.channel_scale(self.weight)
             y = int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
         else:
-            y = self._integer_forward(x, w_scale)
+            y = self._integer_forward(x)
         return self._requantize(y)
 
     def _requantize(self, y: Tensor) -> Tensor:
@@ -116,16 +116,35 @@ class IntLinear(_QuantLinearBase):
         y = fake_quantize_ste(y, oq.scale, oq.zero_point, oq.qmin, oq.qmax)
         return torch.relu(y) if self.output_relu else y  # relu((q - z) s) = (max(q, z) - z) s exactly
 
-    def _integer_forward(self, x: Tensor, w_scale: Tensor) -> Tensor:
+    def _integer_forward(self, x: Tensor) -> Tensor:
         """The deploy arithmetic in plain aten ops: exactly what the op's forward runs."""
+        aq = self.input_quantizer
+        q_w, w_colsum, w_scale = self._weight_codes()
+        z_x = None if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
+        return _apply(x, q_w, w_colsum, w_scale, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic)
+
+    def _weight_codes(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        """(q_w, colsum or None, w_scale) for inference; cached until the weight or its scale changes.
+
+        Inference calls would otherwise re-quantize the fp32 weight every time. The key holds the
+        tensors' version counters, which every in-place update (optimizer step, load_state_dict)
+        bumps. Traced programs (export, compile) always recompute: the codes are part of the program.
+        """
         aq, wq = self.input_quantizer, self.weight_quantizer
+        tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+        key = None
+        if not tracing:
+            s = wq.scale
+            key = (id(self.weight), self.weight._version, None if s is None else (id(s), s._version), aq.dynamic)
+            cache = self.__dict__.get("_codes_cache")
+            if cache is not None and cache[0] == key:
+                return cache[1]
+        w_scale = wq.channel_scale(self.weight).detach()
         q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
-        if aq.dynamic:
-            z_x = w_colsum = None
-        else:
-            z_x = rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
-            w_colsum = weight_colsum(q_w)
-        return _apply(x, q_w, w_colsum, w_scale.detach(), self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic)
+        codes = (q_w, None if aq.dynamic else weight_colsum(q_w), w_scale)
+        if key is not None:
+            self.__dict__["_codes_cache"] = (key, codes)
+        return codes
 
     @torch.no_grad()
     def to_deployed(self) -> "DeployedIntLinear":
