@@ -54,7 +54,8 @@ def _sqnr_db(ref, out):
 
 class RuleNet(nn.Module):
     """One node per rule; no widest-type op downstream of a rule's target, so flipping a
-    node cannot flip its consumers."""
+    node cannot flip its consumers, except tanh: once linear_1 is fp32, tanh sits between
+    two fp32 nodes (linear_1, softmax) and stays fp32 too (isolated_elementwise)."""
 
     def __init__(self):
         super().__init__()
@@ -100,6 +101,29 @@ class IntNet(nn.Module):
     def forward(self, x):  # x (32, 32): _int_mm wants M > 16
         y = self.il(x)
         return y, self.head(torch.relu(y))
+
+
+class IntPairNet(nn.Module):
+    """An elementwise op between two integer layers: the float epilogue of il1 and the
+    quantize prologue of il2 are fp32; chain=True puts relu -> tanh there."""
+
+    def __init__(self, chain=False):
+        super().__init__()
+        self.il1, self.il2 = IntLinear(32, 32), IntLinear(32, 16)
+        self.chain = chain
+
+    def forward(self, x):  # x (32, 32)
+        h = torch.relu(self.il1(x))
+        return self.il2(torch.tanh(h) if self.chain else h)
+
+
+class FloatPairNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
 
 
 class MixNet(nn.Module):
@@ -212,8 +236,9 @@ def test_conditional_fp32_ops_positional(rule_ep):
 
 def test_max_depth_of_reduction(rule_ep):
     # linear reduces K=16, linear_1 K=32; softmax is already fp32.
-    assert _flipped(rule_ep, max_depth_of_reduction=20) == {"linear_1"}
-    assert convert(rule_ep, max_depth_of_reduction=20)[1]["linear_1"].rule == "max_depth_of_reduction"
+    assert _flipped(rule_ep, max_depth_of_reduction=20) == {"linear_1", "tanh"}
+    rep = convert(rule_ep, max_depth_of_reduction=20)[1]
+    assert rep["linear_1"].rule == "max_depth_of_reduction" and rep["tanh"].rule == "isolated_elementwise"
 
 
 def test_reduction_extents():
@@ -231,18 +256,18 @@ def test_reduction_extents():
 
 
 def test_data_max(rule_ep, x16):
-    assert _flipped(rule_ep, calibration_data=[(x16,)]) == {"linear_1"}
+    assert _flipped(rule_ep, calibration_data=[(x16,)]) == {"linear_1", "tanh"}  # tanh: see RuleNet
     rep = convert(rule_ep, calibration_data=[(x16,)])[1]
-    assert rep["linear_1"].rule == "data_max"
+    assert rep["linear_1"].rule == "data_max" and rep["tanh"].rule == "isolated_elementwise"
     assert _flipped(rule_ep, calibration_data=[(x16,)], data_max=1e9) == set()
 
 
 def test_data_max_accepts_dataloader_and_tensors(rule_ep, x16):
     ds = torch.utils.data.TensorDataset(x16, torch.zeros(len(x16)))
     loader = torch.utils.data.DataLoader(ds, batch_size=len(x16))  # yields [x, label]
-    assert _flipped(rule_ep, calibration_data=loader) == {"linear_1"}
-    assert _flipped(rule_ep, calibration_data=[x16]) == {"linear_1"}
-    assert _flipped(rule_ep, calibration_data=[{"x": x16}]) == {"linear_1"}
+    assert _flipped(rule_ep, calibration_data=loader) == {"linear_1", "tanh"}
+    assert _flipped(rule_ep, calibration_data=[x16]) == {"linear_1", "tanh"}
+    assert _flipped(rule_ep, calibration_data=[{"x": x16}]) == {"linear_1", "tanh"}
 
 
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # torch's own, in run_decompositions
@@ -260,7 +285,9 @@ def test_autocast_disabled_region_stays_fp32():
     assert plain["linear_1"].precision == "bf16"  # the same layer outside the region
     outside = {n.name: n.precision for n in rep.nodes if n.op != "higher_order.wrap_with_autocast"
                and "/" not in n.name}
-    assert outside == {"linear": "bf16", "relu": "bf16", "relu_1": "bf16"}
+    # relu_1 reads the fp32 region and feeds the fp32 output: low would only add casts.
+    assert outside == {"linear": "bf16", "relu": "bf16", "relu_1": "fp32"}
+    assert rep["relu_1"].rule == "isolated_elementwise"
     torch.testing.assert_close(conv.module()(x), ep.module()(x), atol=0.05, rtol=0.05)
     assert torch.equal(_roundtrip(conv).module()(x), conv.module()(x))  # the HOP serialises
     # After run_decompositions the region is inlined; provenance still marks its nodes.
@@ -297,8 +324,9 @@ def test_custom_ops_stay_fp32_unless_listed():
     ep = _export(Net(), torch.randn(2, 8))
     rep = convert(ep)[1]
     assert (rep["twice"].precision, rep["twice"].rule) == ("fp32", "custom_op")
+    assert (rep["relu"].precision, rep["relu"].rule) == ("fp32", "isolated_elementwise")  # fp32 -> relu -> out
     assert _flipped(ep, low_precision_ops=[torch.ops.intqat_autocast_test.twice, aten.linear, aten.relu]) \
-        == {"twice"}
+        == {"twice", "relu"}
 
 
 def test_converting_twice_changes_nothing(mix_ep):
@@ -334,9 +362,12 @@ def test_integer_nodes_untouched_and_layer_output_exact(int_ep, x32):
 
 
 def test_integer_module_types_rule(int_ep):
+    # Without the rule the layer's float ops are still fp32 here (fp32 inputs, widest_type
+    # and isolated_elementwise), so compare the rules as well as the precisions.
     base = convert(int_ep)[1]
-    flipped = _flipped(int_ep, integer_module_types=())
-    assert flipped and all(base[n].rule == "integer_layer" for n in flipped)
+    new = convert(int_ep, integer_module_types=())[1]
+    changed = {n.name for n in base.nodes if (n.precision, n.rule) != (new[n.name].precision, new[n.name].rule)}
+    assert changed and all(base[n].rule == "integer_layer" for n in changed)
 
 
 def test_integer_module_types_match_type_name_suffix(x32):
@@ -346,6 +377,32 @@ def test_integer_module_types_match_type_name_suffix(x32):
     ep = _export(DeployedIntLinear(32, 16), x32)
     assert convert(ep)[1]["add_1"].rule == "integer_layer"
     assert convert(ep, integer_module_types=["Conv"])[1]["add_1"].rule != "integer_layer"
+
+
+def test_elementwise_between_integer_layers_stays_fp32(x32):
+    torch.manual_seed(0)
+    ep = _export(IntPairNet(), x32)
+    conv, rep = convert(ep)
+    assert (rep["relu"].precision, rep["relu"].rule) == ("fp32", "isolated_elementwise")
+    assert rep.casts_inserted == 0 and _inserted_casts(conv) == []
+    assert "bf16" not in rep.counts()
+    assert torch.equal(conv.module()(x32), ep.module()(x32))
+    # Iterated to a fixed point: a chain between the two layers stays fp32 as a whole.
+    chain_ep = _export(IntPairNet(chain=True), x32)
+    chain_conv, chain_rep = convert(chain_ep)
+    assert {chain_rep[n].rule for n in ("relu", "tanh")} == {"isolated_elementwise"}
+    assert chain_rep.casts_inserted == 0
+    assert torch.equal(chain_conv.module()(x32), chain_ep.module()(x32))
+
+
+def test_elementwise_next_to_a_low_op_still_goes_low(int_ep, x32):
+    rep = convert(_export(FloatPairNet(), x32))[1]  # relu between two float linears
+    assert (rep["relu"].precision, rep["relu"].rule) == ("bf16", "default_low_precision")
+    rep = convert(int_ep)[1]  # integer layer -> relu -> float linear: the consumer is low
+    assert (rep["relu"].precision, rep["relu"].rule) == ("bf16", "default_low_precision")
+    # The user's low_precision_ops wins over the rule.
+    rep = convert(_export(IntPairNet(), x32), low_precision_ops=[aten.relu])[1]
+    assert (rep["relu"].precision, rep["relu"].rule) == ("bf16", "low_precision_ops")
 
 
 # ---------------------------------------------------------------------------------------
@@ -456,6 +513,46 @@ def test_save_load_roundtrip_with_integer_layer(int_ep, x32):
     loaded = _roundtrip(conv)
     for a, b in zip(conv.module()(x32), loaded.module()(x32)):
         assert torch.equal(a, b)
+
+
+def test_sequential_input_named_like_a_builtin(x16):
+    # nn.Sequential's forward(input): a fresh fx.Graph renames that placeholder, and the
+    # input specs must follow it or the verifier rejects the program.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    ep = _export(model, x16)
+    assert "input" in [n.name for n in ep.graph.nodes if n.op == "placeholder"]
+    conv, rep = convert(ep)
+    placeholders = [n.name for n in conv.graph.nodes if n.op == "placeholder"]
+    assert [s.arg.name for s in conv.graph_signature.input_specs] == placeholders
+    assert rep["relu"].precision == "bf16" and rep.casts_inserted > 0
+    out = conv.module()(x16)
+    assert out.dtype == torch.float32 and _sqnr_db(model(x16), out) >= 25
+    assert torch.equal(_roundtrip(conv).module()(x16), out)
+
+
+def test_builtin_named_input_does_not_rename_other_nodes():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, input, input_1):  # fx would rename input to input_1, taken
+            return self.fc(input) + input_1
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    ep = _export(model, a, b)
+    conv, _ = convert(ep)
+    kept = [n.name for n in conv.graph.nodes if n.meta.get(CAST_MARK) != "cast"]
+    renamed = [old.name for old, new in zip(ep.graph.nodes, kept) if old.name != new]
+    assert renamed == ["input"], "input_1 and every other node keep their names"
+    placeholders = [n.name for n in conv.graph.nodes if n.op == "placeholder"]
+    assert [s.arg.name for s in conv.graph_signature.input_specs] == placeholders
+    out = conv.module()(a, b)
+    assert _sqnr_db(model(a, b), out) >= 25
+    assert torch.equal(_roundtrip(conv).module()(a, b), out)
 
 
 def test_report_serialises(int_ep):

@@ -13,6 +13,7 @@ The input graph is never modified: the pass builds a new one.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 
@@ -57,13 +58,28 @@ class _CastBuilder:
         self.taken = {n.name for n in self.old.nodes}
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.old.nodes])
 
-    def _cast_name(self, src: torch.fx.Node, dtype: torch.dtype) -> str:
-        base = name = f"{src.name}_{SHORT.get(dtype, str(dtype).split('.')[-1])}"
-        i = 1
+    def _free_name(self, base: str, bare: bool = True) -> str:
+        """`base` (if bare) or the first `base_i` (i >= 1) that no old or new node has."""
+        name, i = (base, 1) if bare else (f"{base}_1", 2)
         while name in self.taken:
             name, i = f"{base}_{i}", i + 1
         self.taken.add(name)
         return name
+
+    def _cast_name(self, src: torch.fx.Node, dtype: torch.dtype) -> str:
+        return self._free_name(f"{src.name}_{SHORT.get(dtype, str(dtype).split('.')[-1])}")
+
+    def _copy_placeholder(self, node: torch.fx.Node) -> torch.fx.Node:
+        """A fresh fx.Graph renames a placeholder that shadows a builtin or keyword
+        (nn.Sequential's `input`) to `input_1`, which may be a later input's name: pick a
+        name no old node has, so every other node keeps its name. rebuild() renames the
+        input specs to match, by position."""
+        if torch.fx.Graph().placeholder(node.name).name == node.name:
+            return self.graph.node_copy(node)
+        new = self.graph.create_node("placeholder", node.target, node.args, node.kwargs,
+                                     name=self._free_name(node.name, bare=False), type_expr=node.type)
+        new.meta = copy.copy(node.meta)
+        return new
 
     def value(self, old: torch.fx.Node, want: torch.dtype | None, consumer: torch.fx.Node) -> torch.fx.Node:
         """The new-graph value of `old`, in dtype `want` (None: as it is)."""
@@ -97,6 +113,8 @@ class _CastBuilder:
         return node_dtype
 
     def _copy(self, node: torch.fx.Node) -> torch.fx.Node:
+        if node.op == "placeholder":
+            return self._copy_placeholder(node)
         want = self._want(node)
         changed = False
 

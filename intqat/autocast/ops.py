@@ -59,6 +59,11 @@ INDEX_ARG_OP_NAMES: tuple[str, ...] = (
     "take_along_dim", "embedding", "embedding_bag", "masked_scatter",
 )
 
+# Elementwise ops without torch.Tag.pointwise (which covers relu, gelu, tanh, clamp, ...):
+# an elementwise op kept between fp32 neighbours stays fp32 (rules: isolated_elementwise).
+ELEMENTWISE_EXTRA_OP_NAMES: tuple[str, ...] = ("hardswish", "prelu", "_prelu_kernel", "dropout",
+                                               "feature_dropout", "alpha_dropout")
+
 # Explicit dtype conversions written by the user (or inserted by a previous pass): their
 # output dtype is fixed by the op, so they take their input in whatever dtype it arrives.
 CAST_OP_NAMES: tuple[str, ...] = ("_to_copy", "to", "type_as", "_autocast_to_reduced_precision",
@@ -73,6 +78,14 @@ def _packets(names: tuple[str, ...]) -> frozenset[OpOverloadPacket]:
 WIDEST_TYPE_OPS = _packets(WIDEST_TYPE_OP_NAMES)
 INDEX_ARG_OPS = _packets(INDEX_ARG_OP_NAMES)
 CAST_OPS = _packets(CAST_OP_NAMES)
+ELEMENTWISE_EXTRA_OPS = _packets(ELEMENTWISE_EXTRA_OP_NAMES)
+
+
+def is_elementwise(target: Any) -> bool:
+    """Each output element is a function of the same element of each input."""
+    if not isinstance(target, OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target.overloadpacket in ELEMENTWISE_EXTRA_OPS
 
 
 def packet_of(target: Any) -> Any:

@@ -2,9 +2,11 @@
 
 Why not re-export program.module(): a second torch.export re-traces every op, which costs
 seconds, renames nodes (the report would not match the graph) and re-derives the state
-dict from an nn.Module. Instead the new graph keeps every placeholder (same names, same
-order), so the input specs carry over unchanged; only the output specs are renamed to the
-casts that now feed the outputs, and the state dict / constants get the params stored in
+dict from an nn.Module. Instead the new graph keeps every placeholder in the same order, so
+the input specs carry over by position: their names are taken from the new placeholders (a
+fresh fx.Graph renames a placeholder that shadows a Python builtin, nn.Sequential's `input`
+becomes `input_1`); the output specs are renamed to the nodes that now feed the outputs
+(casts back to the original dtype), and the state dict / constants get the params stored in
 low precision. The public ExportedProgram constructor validates the result (verifier,
 signature) exactly as torch.export does; it is what ExportedProgram._update calls, without
 depending on a private method. Tensors that are not cast are shared with the input
@@ -14,6 +16,7 @@ program, as run_decompositions() shares them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import torch
@@ -23,7 +26,6 @@ from torch.export.graph_signature import (
     InputKind,
     OutputKind,
     OutputSpec,
-    TensorArgument,
 )
 
 from .rules import Decision, consumers
@@ -84,23 +86,49 @@ def stored_bytes(state_dict: dict, constants: dict) -> int:
                if isinstance(v, torch.Tensor))
 
 
+def _renamed(arg, name: str):
+    """The spec argument `arg` (TensorArgument, SymIntArgument, ConstantArgument, ...) naming
+    node `name`; arguments without a name are returned as they are."""
+    if dataclasses.is_dataclass(arg) and isinstance(getattr(arg, "name", None), str) and arg.name != name:
+        return dataclasses.replace(arg, name=name)
+    return arg
+
+
+def _rename_all(args: list, names: dict[str, str]) -> list:
+    return [_renamed(a, names[a.name]) if getattr(a, "name", None) in names else a for a in args]
+
+
 def rebuild(program: ExportedProgram, graph: torch.fx.Graph, state_dict: dict,
             constants: dict) -> ExportedProgram:
+    """`program` around `graph`, a copy of program.graph with the same placeholders in the
+    same order (their names may differ) and the same outputs in the same order."""
     gm = torch.fx.GraphModule(program.graph_module, graph)  # shares HOP submodules (read-only)
     gm.meta.update(program.graph_module.meta)
+    old_sig = program.graph_signature
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(old_sig.input_specs):
+        raise ValueError(f"rebuild: the graph has {len(placeholders)} placeholders, the program "
+                         f"{len(old_sig.input_specs)} input specs; they must match one to one")
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     outputs = output.args[0]
-    old_sig = program.graph_signature
+    # Old name -> new name of every placeholder: what a module call signature may name.
+    old_placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    names = {o.name: n.name for o, n in zip(old_placeholders, placeholders) if o.name != n.name}
+    input_specs = [dataclasses.replace(s, arg=_renamed(s.arg, n.name))
+                   for s, n in zip(copy.deepcopy(old_sig.input_specs), placeholders)]
     output_specs = [
-        OutputSpec(s.kind, TensorArgument(name=o.name) if isinstance(s.arg, TensorArgument) else s.arg,
-                   s.target)
+        OutputSpec(s.kind, _renamed(s.arg, o.name) if isinstance(o, torch.fx.Node) else s.arg, s.target)
         for s, o in zip(old_sig.output_specs, outputs)
     ]
-    sig = ExportGraphSignature(input_specs=copy.deepcopy(old_sig.input_specs), output_specs=output_specs)
+    sig = ExportGraphSignature(input_specs=input_specs, output_specs=output_specs)
     with warnings.catch_warnings():
         # torch 2.13's own TreeSpec.__deepcopy__ path warns about its deprecated LeafSpec.
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         module_call_graph = copy.deepcopy(program.module_call_graph)
+    for entry in module_call_graph:  # preserve_module_call_signature boundaries name nodes too
+        if entry.signature is not None:
+            entry.signature.inputs = _rename_all(entry.signature.inputs, names)
+            entry.signature.outputs = _rename_all(entry.signature.outputs, names)
     return ExportedProgram(
         root=gm,
         graph=gm.graph,

@@ -10,6 +10,7 @@ exactly what they computed before conversion.
 from __future__ import annotations
 
 import operator
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from .config import AutocastConfig
-from .ops import CAST_OPS, INDEX_ARG_OPS, WIDEST_TYPE_OPS, _MISSING, arg_value, packet_of, tensors
+from .ops import (CAST_OPS, INDEX_ARG_OPS, WIDEST_TYPE_OPS, _MISSING, arg_value, is_elementwise,
+                  packet_of, tensors)
 from .reduction import too_deep
 
 # First match wins, in this order.
@@ -42,6 +44,10 @@ RULES = (
     "follows_consumers",        # widest-type op on params/constants only: as its consumers
     "custom_op",                # non-aten op (a hand-written kernel may assume fp32): fp32
     "not_in_low_precision_ops",  # low_precision_ops given and op not in it: fp32
+    "isolated_elementwise",     # elementwise op whose computed inputs and consumers all stay
+                                # fp32 (relu between two integer layers): low would only add
+                                # two casts and rounding, so fp32. Decided last: it looks at
+                                # its neighbours' decisions.
     "default_low_precision",
 )
 
@@ -193,6 +199,48 @@ def _follow_consumers(node, cfg, decisions) -> Decision:
     return Decision(cfg.low_name if low else FP32, "follows_consumers")
 
 
+def _keeps_input_dtype(node: torch.fx.Node, decisions, kept: set) -> bool:
+    """The consumer takes its inputs in their original (fp32) dtype after conversion: the
+    output (cast back to the original dtype) and every node that is not low, except an
+    explicit cast, which takes its input as it comes."""
+    if node.op == "output":
+        return True
+    d = decisions.get(node)
+    return d is not None and (not d.low or node in kept) and d.rule != "explicit_cast"
+
+
+def _isolated_elementwise(decisions: dict[torch.fx.Node, Decision], free: set) -> None:
+    """Send to fp32 (rule isolated_elementwise) the default_low_precision elementwise ops
+    whose computed float inputs all come from fp32 nodes and whose consumers all take fp32:
+    in low precision they would only add a cast in, a cast out and rounding.
+
+    Greatest fixed point, so a chain (relu -> tanh) between fp32 nodes stays fp32 too:
+    start with every candidate kept and drop any with a low producer or consumer outside
+    the kept set; a drop re-checks the dropped node's candidate neighbours (a worklist, so
+    a long chain costs O(n)). The result does not depend on the order; the order is graph
+    order. Parameters/constants (`free`) are neutral: they are stored in whichever dtype
+    their consumers take."""
+    inputs = {n: [src for src in (producer(a) for a, val in tensor_inputs(n) if val.is_floating_point())
+                  if src not in free]
+              for n, d in decisions.items() if d.rule == "default_low_precision" and is_elementwise(n.target)}
+    candidates = [n for n, srcs in inputs.items() if srcs]
+    kept = set(candidates)
+
+    def isolated(node):
+        return not any(decisions[s].low and s not in kept for s in inputs[node] if s in decisions) \
+            and all(_keeps_input_dtype(u, decisions, kept) for u in consumers(node))
+
+    queue = deque(candidates)
+    while queue:
+        node = queue.popleft()
+        if node in kept and not isolated(node):
+            kept.discard(node)
+            queue.extend(n for n in [*inputs[node], *consumers(node)] if n in kept)
+    for node in candidates:
+        if node in kept:
+            decisions[node] = Decision(FP32, "isolated_elementwise")
+
+
 def _last_rule(node: torch.fx.Node, cfg: AutocastConfig) -> Decision:
     if getattr(node.target, "namespace", "aten") not in ("aten", "prims"):
         return Decision(FP32, "custom_op")
@@ -228,6 +276,9 @@ def classify(program: ExportedProgram, cfg: AutocastConfig,
         if d is None:
             d = _last_rule(node, cfg)
         decisions[node] = d
+    # Before follows_consumers: pending nodes are free (neutral as inputs) and never consume
+    # a candidate (they read only free values), and they then follow the final decisions.
+    _isolated_elementwise(decisions, free)
     # Consumers come later in topological order, so resolve free nodes back to front.
     for node in reversed(pending):
         decisions[node] = _follow_consumers(node, cfg, decisions)
