@@ -212,7 +212,7 @@ def format_table(rows: list[dict[str, Any]], info: dict | None = None) -> str:
     t.footnotes = [
         "speed: median over repeats of t_eager / t_candidate (> 1 = faster). compile s: the first compiled step's "
         "wall time minus one eager step (dynamo + aot_autograd + inductor, forward and backward; a warm inductor "
-        "cache shortens it). graphs: graphs the model's forward compiled to; 1 = no graph break.",
+        "cache shortens it, and 'compiled + optimizer' reuses the model graphs compiled just before). graphs: graphs the model's forward compiled to; 1 = no graph break.",
         "max rel Δ: first step from identical weights, max |compiled - eager| / max |eager| over the loss and every "
         "gradient. Models: prepare_qat('w8a8'), calibrate, to_integer (intqat-bench modules' integer flavour).",
     ]
