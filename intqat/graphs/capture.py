@@ -122,6 +122,8 @@ def extract(
             fw_compiler=recorder("forward"),
             bw_compiler=recorder("backward"),
             partition_fn=min_cut_rematerialization_partition,
+            # as inductor and aot_eager do: BN's running-stat updates stay in the graph
+            keep_inference_input_mutations=True,
         )(gm, example_inputs)
 
     # A region served from an earlier call's cache would never reach `backend`.

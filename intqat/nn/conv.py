@@ -23,6 +23,26 @@ from intqat.ops.quant import quantize
 __all__ = ["FakeQuantConv2d", "IntConv2d", "DeployedIntConv2d", "conv_padding"]
 
 
+@torch.library.custom_op("intqat::bn_inv_std", mutates_args=())
+def _bn_inv_std(running_var: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(running_var + eps), as one opaque op.
+
+    With live BN statistics, BatchNorm updates running_var in place later in the same step.
+    torch 2.13's inductor partitioner would recompute a plain rsqrt(running_var + eps) in the
+    backward, after that update, and get the gradients wrong; an opaque op's output is saved.
+    """
+    return torch.rsqrt(running_var + eps)
+
+
+@_bn_inv_std.register_fake
+def _(running_var, eps):
+    return torch.empty_like(running_var)
+
+
+def _sync_bn_frozen(module, _incompatible_keys) -> None:
+    module._bn_frozen = bool(module.bn_frozen)
+
+
 def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
     """Numeric symmetric padding of a conv, or None when the integer path cannot express it."""
     if conv.padding_mode != "zeros":
@@ -54,7 +74,11 @@ class _QuantConvBase(nn.Module):
         self.weight = conv.weight
         self.bias = conv.bias
         self.bn = bn  # the original BatchNorm2d (same Parameters and running stats), or None
+        # in a buffer for checkpoints, mirrored as a Python bool that forward branches on
+        # (torch.compile guards on it instead of breaking the graph)
         self.register_buffer("bn_frozen", torch.zeros((), dtype=torch.bool))
+        self._bn_frozen = False
+        self.register_load_state_dict_post_hook(_sync_bn_frozen)
         self.input_quantizer = input_quantizer
         self.weight_quantizer = weight_quantizer
 
@@ -62,7 +86,7 @@ class _QuantConvBase(nn.Module):
         """sf = gamma / sqrt(running_var + eps), (O,)"""
         bn = self.bn
         gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
-        return gamma * torch.rsqrt(bn.running_var + bn.eps)
+        return gamma * _bn_inv_std(bn.running_var, bn.eps)
 
     def folded(self) -> tuple[Tensor, Tensor | None]:
         """(w_fold, b_fold) from running statistics; differentiable w.r.t. W, b, gamma and beta."""
@@ -76,6 +100,7 @@ class _QuantConvBase(nn.Module):
 
     def freeze_bn_stats(self, frozen: bool = True) -> None:
         self.bn_frozen.fill_(frozen)
+        self._bn_frozen = bool(frozen)
 
     def extra_repr(self) -> str:
         return (
@@ -100,7 +125,7 @@ class FakeQuantConv2d(_QuantConvBase):
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
         x_hat = self.input_quantizer.fake_quant(x, per_tensor_dynamic=True)
-        if self.bn is None or self.bn_frozen or not self.training:
+        if self.bn is None or self._bn_frozen or not self.training:
             w, b = self.folded()
             return self._conv(x_hat, self.weight_quantizer.fake_quant(w), b)
         # live BN statistics: fold with running stats for quantization, undo the scaling, let BN
@@ -124,6 +149,8 @@ class IntConv2d(_QuantConvBase):
             setattr(mod, name, getattr(fq, name))
         mod.weight, mod.bias, mod.bn = fq.weight, fq.bias, fq.bn
         mod.register_buffer("bn_frozen", torch.ones((), dtype=torch.bool))  # integer convs fold running stats
+        mod._bn_frozen = True
+        mod.register_load_state_dict_post_hook(_sync_bn_frozen)
         mod.input_quantizer, mod.weight_quantizer = fq.input_quantizer, fq.weight_quantizer
         return mod
 
