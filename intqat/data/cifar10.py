@@ -14,11 +14,12 @@ import os
 import pickle
 from pathlib import Path
 
-import lightning as L
 import numpy as np
 import torch
 from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from intqat.data.split import SplitDataModule
 
 __all__ = ["Cifar10DataModule", "load_cifar10_batches", "CIFAR10_MEAN", "CIFAR10_STD"]
 
@@ -88,7 +89,7 @@ class _Cifar10Set(Dataset):
         return x, self.labels[i]
 
 
-class Cifar10DataModule(L.LightningDataModule):
+class Cifar10DataModule(SplitDataModule):
     """CIFAR-10 as (N, 3, 32, 32) float32 tensors normalized per channel, int64 labels."""
 
     num_classes = 10
@@ -128,23 +129,3 @@ class Cifar10DataModule(L.LightningDataModule):
         self.train_set = _Cifar10Set(x[train], y[train], augment=hp.augment)
         self.val_set = _Cifar10Set(x[val], y[val], augment=False)
         self.test_set = _Cifar10Set(x_test, y_test, augment=False)
-
-    def _loader(self, dataset, shuffle: bool) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.hparams.seed) if shuffle else None
-        return DataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            generator=generator,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)

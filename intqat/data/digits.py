@@ -10,12 +10,13 @@ The train / val / test split is stratified and depends only on `seed`, so every 
 
 from __future__ import annotations
 
-import lightning as L
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from intqat.data.split import SplitDataModule
 
 __all__ = ["DigitsDataModule", "split_indices"]
 
@@ -32,7 +33,7 @@ def split_indices(
     return np.sort(train), np.sort(val), np.sort(test)
 
 
-class DigitsDataModule(L.LightningDataModule):
+class DigitsDataModule(SplitDataModule):
     """sklearn digits as (N, 1, 8, 8) float32 tensors in [0, 1] and int64 labels."""
 
     num_classes = 10
@@ -69,24 +70,3 @@ class DigitsDataModule(L.LightningDataModule):
         self.train_set = TensorDataset(x[train], y[train])
         self.val_set = TensorDataset(x[val], y[val])
         self.test_set = TensorDataset(x[test], y[test])
-
-    def _loader(self, dataset, shuffle: bool) -> DataLoader:
-        # A private generator: the batch order depends on `seed` only, not on who drew from torch's RNG.
-        generator = torch.Generator().manual_seed(self.hparams.seed) if shuffle else None
-        return DataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
-            generator=generator,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, shuffle=False)
