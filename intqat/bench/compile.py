@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import intqat
-from intqat.bench.modules import ModulesSettings, make_cnn, make_mlp
+from intqat.bench.modules import ModulesSettings, bench_models
 from intqat.bench.table import NA, Table, fmt_num, fmt_ratio
 from intqat.bench.timing import machine_info, machine_lines, speed_ratio, time_interleaved
 
@@ -166,14 +166,7 @@ def run_compile_bench(quick: bool = False, repeats: int | None = None, settings:
     repeats = repeats if repeats is not None else s.repeats
     compile_optimizer = (not quick) if compile_optimizer is None else compile_optimizer
     g = torch.Generator().manual_seed(s.seed)
-    widths = [s.mlp_in] + [s.mlp_width] * s.mlp_hidden + [s.classes]
-    models = [
-        (f"integer MLP {'-'.join(map(str, widths))}, batch {s.mlp_batch}", lambda: make_mlp(s),
-         torch.randn(s.mlp_batch, s.mlp_in, generator=g)),
-        (f"integer CNN 3x{s.cnn_hw}x{s.cnn_hw}, 3 x conv3x3-BN-ReLU-maxpool {'/'.join(map(str, s.cnn_channels))} ch, "
-         f"batch {s.cnn_batch}", lambda: make_cnn(s),
-         torch.randn(s.cnn_batch, 3, s.cnn_hw, s.cnn_hw, generator=g)),
-    ]
+    models = bench_models(s, g, prefix="integer ")
     rows: list[dict[str, Any]] = []
     try:
         for title, make, x in models:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,18 @@ class ModulesSettings:
     def quick(cls) -> "ModulesSettings":
         return cls(mlp_in=128, mlp_width=128, mlp_batch=32, cnn_hw=16, cnn_channels=(8, 16, 16), cnn_batch=8,
                    repeats=2, warmup=0, calib_batches=1)
+
+
+def bench_models(s, g: torch.Generator, prefix: str = "") -> list[tuple[str, Any, torch.Tensor]]:
+    """(title, model factory, input batch) for the MLP and the CNN both module benches time."""
+    widths = [s.mlp_in] + [s.mlp_width] * s.mlp_hidden + [s.classes]
+    return [
+        (f"{prefix}MLP {'-'.join(map(str, widths))}, batch {s.mlp_batch}", lambda: make_mlp(s),
+         torch.randn(s.mlp_batch, s.mlp_in, generator=g)),
+        (f"{prefix}CNN 3x{s.cnn_hw}x{s.cnn_hw}, 3 x conv3x3-BN-ReLU-maxpool {'/'.join(map(str, s.cnn_channels))} ch, "
+         f"linear head, batch {s.cnn_batch}", lambda: make_cnn(s),
+         torch.randn(s.cnn_batch, 3, s.cnn_hw, s.cnn_hw, generator=g)),
+    ]
 
 
 def make_mlp(s: ModulesSettings) -> nn.Sequential:
@@ -226,14 +239,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         ],
         columns=cols,
     )
-    widths = [s.mlp_in] + [s.mlp_width] * s.mlp_hidden + [s.classes]
-    models = [
-        (f"MLP {'-'.join(map(str, widths))}, batch {s.mlp_batch}", lambda: make_mlp(s),
-         torch.randn(s.mlp_batch, s.mlp_in, generator=g)),
-        (f"CNN 3x{s.cnn_hw}x{s.cnn_hw}, 3 x conv3x3-BN-ReLU-maxpool {'/'.join(map(str, s.cnn_channels))} ch, "
-         f"linear head, batch {s.cnn_batch}", lambda: make_cnn(s),
-         torch.randn(s.cnn_batch, 3, s.cnn_hw, s.cnn_hw, generator=g)),
-    ]
+    models = bench_models(s, g)
     na_marks: dict[str, str] = {}
 
     def mark(reason: str) -> str:
