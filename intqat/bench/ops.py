@@ -70,7 +70,7 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     lin = fresh()
     cands[ANCHOR_LINEAR] = LinearCandidate(ANCHOR_LINEAR, lin, list(lin.parameters()))
 
-    # int_linear as IntLinear calls it: w_scale from the weight's min-max at every step
+    # int_linear as IntLinear calls it: w_scale=None, the op takes min-max per-channel scales at every step
     w8a8 = PRESETS["w8a8"]
     lin = fresh()
     wq = WeightQuantizer(w8a8.weight, lin.weight)
@@ -79,9 +79,8 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     a_spec = w8a8.activation
 
     def static(xx, lin=lin, wq=wq):
-        return int_linear(xx, lin.weight, lin.bias, x_scale, x_zp, wq.channel_scale(lin.weight),
-                          x_qmin=a_spec.qmin, x_qmax=a_spec.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax,
-                          w_clip_mask=wq.scale is not None)  # as IntLinear: a min-max scale never clips
+        return int_linear(xx, lin.weight, lin.bias, x_scale, x_zp, None,
+                          x_qmin=a_spec.qmin, x_qmax=a_spec.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax)
 
     cands["intqat int_linear static w8a8"] = LinearCandidate("intqat int_linear static w8a8", static, list(lin.parameters()))
 
@@ -90,9 +89,9 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     wqd = WeightQuantizer(dyn.weight, lin.weight)
 
     def dynamic(xx, lin=lin, wq=wqd):
-        return int_linear(xx, lin.weight, lin.bias, None, None, wq.channel_scale(lin.weight),
+        return int_linear(xx, lin.weight, lin.bias, None, None, None,
                           x_qmin=dyn.activation.qmin, x_qmax=dyn.activation.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax,
-                          x_dynamic=True, w_clip_mask=wq.scale is not None)
+                          x_dynamic=True)
 
     cands["intqat int_linear dynamic per-token"] = LinearCandidate("intqat int_linear dynamic per-token", dynamic, list(lin.parameters()))
 

@@ -102,7 +102,9 @@ class IntLinear(_QuantLinearBase):
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
-            w_scale = self.weight_quantizer.channel_scale(self.weight)
+            wq = self.weight_quantizer
+            # min-max per-channel scales: the op computes them in the pass that makes the codes
+            w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(self.weight)
             y = int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
         else:
             y = self._integer_forward(x)
@@ -140,8 +142,8 @@ class IntLinear(_QuantLinearBase):
             if cache is not None and cache[0] == key:
                 return cache[1]
         w_scale = wq.channel_scale(self.weight).detach()
-        q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
-        codes = (q_w, None if aq.dynamic else weight_colsum(q_w), w_scale)
+        q_w, _, w_colsum, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax, need_colsum=not aq.dynamic)
+        codes = (q_w, w_colsum, w_scale)
         if key is not None:
             self.__dict__["_codes_cache"] = (key, codes)
         return codes
@@ -153,7 +155,7 @@ class IntLinear(_QuantLinearBase):
         if not aq.dynamic:
             aq._check_ready()
         w_scale = wq.channel_scale(self.weight).detach().contiguous().clone()
-        q_w, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
+        q_w, _, _, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
         z_x = torch.zeros(1, dtype=torch.int32) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
         oq = self.output_quantizer
         return DeployedIntLinear(

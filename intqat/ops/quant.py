@@ -7,12 +7,17 @@
 
 Multiplying by the float32 reciprocal (not dividing) is what makes
 `dequantize(quantize(x))` equal `torch.fake_quantize_per_*_affine` bit for bit.
+
+On plain CPU tensors these run as one fused pass (`intqat.ops.cpu_kernels`, same bits); the
+torch code below is the reference, and the path taken under tracing (torch.compile / export).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from intqat.ops import cpu_kernels
 
 __all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "check_qrange"]
 
@@ -60,10 +65,30 @@ def _rounded(x: Tensor, scale: Tensor, zero_point: Tensor | int) -> Tensor:
     return r.add_(zero_point.to(torch.float32))
 
 
+def _fused_rows(x: Tensor, s: Tensor, z, axis: int | None) -> bool | None:
+    """Can the fused CPU kernel take this call? -> per_row flag (True / False), or None for no.
+
+    It takes one scale for all, or one per slice along axis 0, and a single zero point."""
+    if not isinstance(z, int) and z.numel() != 1:
+        return None
+    if not cpu_kernels.usable(x, s, None if isinstance(z, int) else z):
+        return None
+    if s.numel() == 1:
+        return False
+    return True if axis is not None and axis % x.dim() == 0 and x.dim() >= 1 else None
+
+
 def _codes(x, scale, zero_point, qmin, qmax, axis, need_mask):
     check_qrange(qmin, qmax)
     s = _broadcast(scale, x, axis, "scale")
     z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
+    if not x.is_floating_point():
+        raise ValueError(f"quantize expects a floating-point input, got dtype {x.dtype}")
+    per_row = _fused_rows(x, s, z, axis)
+    if per_row is not None:
+        z_val = 0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32))
+        q, mask, _ = cpu_kernels.quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
+        return q, mask
     r = _rounded(x, s, z)
     if not need_mask:
         return r.clamp_(qmin, qmax).to(torch.int8), None
@@ -107,6 +132,10 @@ def dequantize(
         raise ValueError(f"dequantize expects integer codes (int8/uint8/int32), got dtype {q.dtype}")
     s = _broadcast(scale, q, axis, "scale").to(torch.float32)
     z = _broadcast(zero_point, q, axis, "zero_point").to(torch.float32)
+    if q.dtype == torch.int8 and z.numel() == 1:
+        per_row = _fused_rows(q, s, z, axis)
+        if per_row is not None:
+            return cpu_kernels.dequantize_rows(q, s, float(z), per_row)
     return (q.to(torch.float32) - z) * s
 
 

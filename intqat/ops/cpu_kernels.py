@@ -1,0 +1,283 @@
+"""Fused CPU kernels (kernels/cpu/fused.c): the elementwise passes around `torch._int_mm`, one pass each.
+
+Why: on the CPU, an eager int_linear step was ~25 separate aten kernels around two fp32 matmuls
+and one int8 matmul (quantize = mul, round, add, clamp, cast, compare; colsum = cast + sum;
+epilogue = sub, cast, mul, mul, add), and those passes cost more than the int8 matmul saved.
+Each C function here does one of them in one memory pass, with the same float32 operations in
+the same order as the torch reference in `intqat.ops`, so results are bit-identical (the tests
+check every function both ways).
+
+The library is compiled on first use with the system C compiler (`$CC`, default `cc`; ~0.5 s)
+into a cache directory (`$INTQAT_CACHE_DIR`, default `~/.cache/intqat`), keyed by a hash of the
+source, the flags and the CPU, and written atomically (several processes may build at once).
+Without a compiler, or with `INTQAT_CPU_KERNELS=0`, every caller keeps its torch path: slower,
+same numbers.
+
+The kernels run only on plain, real CPU tensors outside of tracing: under torch.compile /
+torch.export (fake tensors) callers take the torch path, which the compiler can see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import importlib.util
+import math
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "available",
+    "disabled",
+    "usable",
+    "quantize_rows",
+    "quantize_rows_dynamic",
+    "mask_zero_",
+    "epilogue",
+    "dequantize_rows",
+    "scratch",
+]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    # x, rows, cols, scale, scale_stride, z, qmin, qmax, out, mask, rowsum
+    "intqat_quantize_rows": [_P, _I, _I, _P, _I, _F, _F, _F, _P, _P, _P],
+    # x, rows, cols, qmin, qmax, eps, out, scale, rowsum
+    "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
+    # g, mask, n
+    "intqat_mask_zero": [_P, _P, _I],
+    # acc, M, N, z_x, colsum, s_x, sx_stride, s_w, bias, y
+    "intqat_epilogue": [_P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
+    # q, rows, cols, scale, scale_stride, z, out
+    "intqat_dequantize_rows": [_P, _I, _I, _P, _I, _F, _P],
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_load_tried = False
+_disabled_depth = 0
+
+
+def _source() -> Path:
+    # kernels/ installs as intqat.kernels; find_spec locates it without importing it (and triton).
+    spec = importlib.util.find_spec("intqat.kernels")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package intqat.kernels not found")
+    return Path(next(iter(spec.submodule_search_locations))) / "cpu" / "fused.c"
+
+
+def _cpu_id() -> str:
+    # -march=native code is only valid on the CPU it was built for: key the cache on it.
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _flag_sets() -> list[list[str]]:
+    base = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+    native = ["-march=native"] + (["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])
+    return [base + native, base]  # the portable set if the tuned one does not compile
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("INTQAT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "intqat")
+    return Path(root)
+
+
+def _build(src: Path) -> Path:
+    """Compile fused.c into the cache (once per source / flags / CPU) and return the .so path."""
+    cc = os.environ.get("CC", "cc")
+    code = src.read_bytes()
+    errors = []
+    for flags in _flag_sets():
+        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cc.encode(), _cpu_id().encode(),
+                                         torch.__version__.encode()])).hexdigest()[:16]
+        out = _cache_dir() / f"fused-{key}.so"
+        if out.exists():
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".fused-", suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True)
+            if proc.returncode == 0:
+                os.replace(tmp, out)  # atomic: a reader sees no library or a whole one
+                return out
+            errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("\n".join(errors))
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _load_tried
+    with _lock:
+        if _load_tried:
+            return _lib
+        _load_tried = True
+        if os.environ.get("INTQAT_CPU_KERNELS", "1") == "0":
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(_source())))
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, None
+            _lib = lib
+        except (OSError, RuntimeError, FileNotFoundError) as e:
+            warnings.warn(
+                f"intqat: fused CPU kernels unavailable, using the (slower, numerically identical) torch "
+                f"path. Reason: {e}. Set INTQAT_CPU_KERNELS=0 to silence this.", RuntimeWarning, stacklevel=3)
+        return _lib
+
+
+def available() -> bool:
+    """True when the fused kernels are built, loaded and not switched off by `disabled()`."""
+    return _disabled_depth == 0 and _load() is not None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the torch reference path inside the block (tests compare both paths)."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
+
+
+def usable(*tensors: Tensor | None) -> bool:
+    """Can the fused kernels take these tensors? Plain, real CPU tensors, not while tracing."""
+    if _disabled_depth or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not Tensor or t.device.type != "cpu"):
+            return False
+    return available()
+
+
+_scratch = threading.local()
+
+
+def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """A reused temporary of `shape`: a view of this thread's buffer for `role`, grown as needed.
+
+    For values that die inside one op call (the int32 accumulator, the dequantized weight of the
+    backward). On this VM a fresh multi-MB tensor costs page faults on first touch, more than the
+    pass that fills it; reusing one buffer per role removes them. Never return a scratch view to a
+    caller, and never hold two views of one role at once.
+    """
+    bufs = _scratch.__dict__.setdefault("bufs", {})
+    n = math.prod(shape)
+    buf = bufs.get((role, dtype))
+    if buf is None or buf.numel() < n:
+        buf = bufs[(role, dtype)] = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _float_rows(x: Tensor, rows_along: int | None) -> tuple[Tensor, int, int]:
+    x = x.detach().to(torch.float32).contiguous()
+    rows = x.shape[0] if rows_along == 0 else max(1, x.numel() // max(1, x.shape[-1] if x.dim() else 1))
+    cols = x.numel() // rows if rows else 0
+    return x, rows, cols
+
+
+def quantize_rows(
+    x: Tensor, scale: Tensor, zero_point: float, qmin: int, qmax: int, per_row: bool,
+    need_mask: bool = False, need_rowsum: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """x float (rows, ...) -> (codes int8 like x, mask bool like x or None, rowsum int32 (rows,) or None).
+
+    per_row: scale has one value per x.shape[0] row (per output channel); else one value for all.
+    """
+    x, rows, cols = _float_rows(x, 0 if (per_row or need_rowsum) else None)
+    s = scale.detach().to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.int8)
+    mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
+    rowsum = torch.empty(rows, dtype=torch.int32) if need_rowsum else None
+    if x.numel():
+        _lib.intqat_quantize_rows(x.data_ptr(), rows, cols, s.data_ptr(), 1 if per_row else 0, float(zero_point),
+                                  float(qmin), float(qmax), out.data_ptr(), _ptr(mask), _ptr(rowsum))
+    elif rowsum is not None:
+        rowsum.zero_()
+    return out, mask, rowsum
+
+
+def quantize_rows_dynamic(
+    x: Tensor, qmin: int, qmax: int, eps: float, need_rowsum: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """x (M, K) float -> (codes int8 (M, K), scales fp32 (M, 1), rowsum int32 (M,) or None).
+
+    s[m] = max(max|x[m]| / qmax, eps), z = 0: per-token activations, min-max per-channel weights.
+    """
+    x = x.detach().to(torch.float32).contiguous()
+    M, K = x.shape
+    out = torch.empty((M, K), dtype=torch.int8)
+    scale = torch.empty((M, 1), dtype=torch.float32)
+    rowsum = torch.empty(M, dtype=torch.int32) if need_rowsum else None
+    if M:
+        _lib.intqat_quantize_rows_dynamic(x.data_ptr(), M, K, float(qmin), float(qmax), float(eps),
+                                          out.data_ptr(), scale.data_ptr(), _ptr(rowsum))
+    return out, scale, rowsum
+
+
+def mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
+    """In place: g = where(mask, g, 0) for contiguous fp32 g and a bool mask of its shape."""
+    if g.dtype != torch.float32 or not g.is_contiguous() or mask.shape != g.shape:
+        return g.copy_(torch.where(mask, g, 0.0))
+    mask = mask.contiguous()
+    if g.numel():
+        _lib.intqat_mask_zero(g.data_ptr(), mask.data_ptr(), g.numel())
+    return g
+
+
+def epilogue(acc: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale: Tensor,
+             bias: Tensor | None) -> Tensor:
+    """acc (M, N) int32 -> float32(acc - z_x * colsum[n]) * (s_x[m] * s_w[n]) + b[n], (M, N) fp32."""
+    acc = acc.contiguous()
+    M, N = acc.shape
+    s_x = s_x.detach().to(torch.float32).contiguous()
+    s_w = w_scale.detach().to(torch.float32).contiguous()
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    cs = None if colsum is None else colsum.to(torch.int32).contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    if acc.numel():
+        _lib.intqat_epilogue(acc.data_ptr(), M, N, int(z_x), _ptr(cs), s_x.data_ptr(), 1 if s_x.numel() > 1 else 0,
+                             s_w.data_ptr(), _ptr(b), y.data_ptr())
+    return y
+
+
+def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row: bool,
+                    out: Tensor | None = None) -> Tensor:
+    """q int8 (rows, ...) -> (float(q) - z) * scale (per row or one value); scale None: float(q).
+
+    out: a contiguous fp32 tensor of q's shape to write into (e.g. a `scratch` buffer)."""
+    q = q.contiguous()
+    rows = q.shape[0] if (per_row and q.dim()) else 1
+    cols = q.numel() // rows if rows else 0
+    s = None if scale is None else scale.detach().to(torch.float32).contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=torch.float32)
+    if q.numel():
+        _lib.intqat_dequantize_rows(q.data_ptr(), rows, cols, _ptr(s), 1 if per_row else 0, float(zero_point),
+                                    out.data_ptr())
+    return out
