@@ -252,3 +252,56 @@ def test_built_once_into_the_cache(tmp_path):
     assert "available True" in r.stdout and "warnings []" in r.stdout, r.stdout + r.stderr
     assert log.read_text().count("called") == 1
     assert lib.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("axis,shape", [(None, (33, 47)), (0, (12, 3, 3, 3)), (0, (5, 64))])
+def test_fake_quantize_matches_torch_and_the_torch_path(axis, shape):
+    from intqat.ops.quant import fake_quantize_with_mask
+
+    x = torch.randn(shape) * 2
+    if axis is None:
+        s, z = torch.tensor(0.013), torch.tensor(-5)
+        ref = torch.fake_quantize_per_tensor_affine(x, 0.013, -5, -128, 127)
+    else:
+        s, z = torch.rand(shape[0]) * 0.05 + 1e-3, torch.tensor(0)
+        ref = torch.fake_quantize_per_channel_affine(x, s, torch.zeros(shape[0], dtype=torch.int32), 0, -127, 127)
+    qmin = -128 if axis is None else -127
+    fused, mine_ref = both(lambda: fake_quantize_with_mask(x, s, z, qmin, 127, axis))
+    assert_same(fused, mine_ref)
+    assert torch.equal(fused[0], ref)
+
+
+@pytest.mark.parametrize("preset", ["w8a8", "w8a8_dynamic", "w8a8_lsq", "w4a8"])
+def test_fake_quant_linear_step_matches_the_torch_path(preset):
+    from intqat import prepare_qat
+
+    def run():
+        torch.manual_seed(3)
+        model = prepare_qat(torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), preset)
+        x = torch.randn(32, 20)
+        out = model(x)
+        out.square().sum().backward()
+        return (out.detach(), *[p.grad for p in model.parameters() if p.grad is not None])
+
+    assert_same(*both(run))
+
+
+@pytest.mark.parametrize("dynamic,learn", [(False, False), (True, False), (False, True)])
+def test_int_conv2d_forward_and_gradients_match_the_torch_path(dynamic, learn):
+    from intqat.ops.int_conv2d import int_conv2d
+
+    torch.manual_seed(5)
+    x = (torch.randn(2, 4, 9, 9) + 0.3).requires_grad_()
+    W = (torch.randn(6, 4, 3, 3) * 0.2).requires_grad_()
+    b = torch.randn(6).requires_grad_()
+    s_x = torch.tensor([0.015], requires_grad=learn)
+    z_x = torch.tensor([2.0], requires_grad=learn)
+    s_w = (W.detach().abs().amax(dim=(1, 2, 3)) / 127 * 0.9).requires_grad_(learn)
+    inputs = [t for t in (x, W, b, s_x, z_x, s_w) if t.requires_grad]
+
+    def run():
+        y = int_conv2d(x, W, b, s_x, z_x, s_w, padding=1, stride=2, x_dynamic=dynamic)
+        g = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        return (y.detach(), *torch.autograd.grad(y, inputs, g))
+
+    assert_same(*both(run))

@@ -33,7 +33,8 @@ def test_package_data_and_kernels_are_installed(installed, tmp_path):
         "import intqat, intqat.kernels, intqat.conf, intqat.recipes, importlib.resources as r, pathlib;"
         "print(intqat.__file__);"
         "print(sorted(p.name for p in pathlib.Path(intqat.recipes.__path__[0]).glob('*.yaml')));"
-        "print(sorted(p.name for p in r.files('intqat.conf').iterdir() if p.is_dir()))"
+        "print(sorted(p.name for p in r.files('intqat.conf').iterdir() if p.is_dir()));"
+        "from intqat.ops import cpu_kernels; print('fused', cpu_kernels._source(), cpu_kernels.available())"
     )
     out = _run(installed, [sys.executable, "-c", code], tmp_path)
     assert out.returncode == 0, out.stderr
@@ -42,6 +43,8 @@ def test_package_data_and_kernels_are_installed(installed, tmp_path):
     assert "mlp_digits_w8a8.yaml" in lines[1]
     for group in ("model", "data", "quant", "trainer"):
         assert group in lines[2]
+    # the fused CPU kernels' C source ships in the package and builds from there
+    assert lines[3].startswith(f"fused {installed}") and lines[3].endswith("True"), lines[3]
 
 
 @pytest.mark.parametrize("script", ["intqat-train", "intqat-export", "intqat-graphs", "intqat-bench"])

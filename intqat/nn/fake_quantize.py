@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
-from intqat.ops.quant import _broadcast, quantize_with_mask
+from intqat.ops.quant import _broadcast, fake_quantize_with_mask, quantize_with_mask
 
 __all__ = ["fake_quantize_ste"]
 
@@ -29,11 +29,15 @@ class _FakeQuantizeSTE(torch.autograd.Function):
     def forward(ctx, x, scale, zero_point, qmin, qmax, axis):
         s_flat = scale.detach().to(torch.float32)
         z_flat = torch.round(zero_point.detach().to(torch.float32)).clamp_(qmin, qmax)
-        q, mask = quantize_with_mask(x.detach(), s_flat, z_flat, qmin, qmax, axis)
-        s, z = _broadcast(s_flat, x, axis, "scale"), _broadcast(z_flat, x, axis, "zero_point")
-        x_hat = (q.to(torch.float32) - z) * s
         learn = scale.requires_grad or zero_point.requires_grad
-        ctx.save_for_backward(mask, q if learn else None, x if learn else None, scale, zero_point)
+        if learn:  # LSQ's backward needs the codes
+            q, mask = quantize_with_mask(x.detach(), s_flat, z_flat, qmin, qmax, axis)
+            s, z = _broadcast(s_flat, x, axis, "scale"), _broadcast(z_flat, x, axis, "zero_point")
+            x_hat = (q.to(torch.float32) - z) * s
+        else:  # one fused pass on the CPU, same bits
+            q = None
+            x_hat, mask = fake_quantize_with_mask(x.detach(), s_flat, z_flat, qmin, qmax, axis)
+        ctx.save_for_backward(mask, q, x if learn else None, scale, zero_point)
         ctx.qrange, ctx.axis = (qmin, qmax), axis
         return x_hat.to(x.dtype)
 
@@ -42,7 +46,7 @@ class _FakeQuantizeSTE(torch.autograd.Function):
         mask, q, x, scale, zero_point = ctx.saved_tensors
         qmin, qmax = ctx.qrange
         axis = ctx.axis
-        grad_x = g * mask if ctx.needs_input_grad[0] else None
+        grad_x = torch.where(mask, g, 0.0) if ctx.needs_input_grad[0] else None
         grad_s = grad_z = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             g32 = g.to(torch.float32)

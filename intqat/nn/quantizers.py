@@ -126,7 +126,7 @@ class ActivationQuantizer(nn.Module):
         per_tensor_dynamic=True, matching the integer conv's one scale per batch.
         """
         if self.dynamic and per_tensor_dynamic:
-            s = torch.clamp(x.detach().abs().amax() / self.qmax, min=SCALE_EPS).reshape(1)
+            s = torch.clamp(row_absmax(x.detach(), dim=None) / self.qmax, min=SCALE_EPS).reshape(1)
             return fake_quantize_ste(x, s, torch.zeros_like(s), self.qmin, self.qmax)
         if self.dynamic:
             x2d = x.reshape(-1, x.shape[-1])
@@ -209,7 +209,7 @@ class WeightQuantizer(nn.Module):
 
     def fake_quant(self, weight: Tensor) -> Tensor:
         s = self.channel_scale(weight)
-        z = self.zero_point.expand(weight.shape[0]) if self.zero_point.numel() == 1 else self.zero_point
+        z = self.zero_point[:1]  # symmetric: one zero point (0) shared by every channel
         return fake_quantize_ste(weight, s, z, self.qmin, self.qmax, axis=0)
 
     def extra_repr(self) -> str:

@@ -41,6 +41,7 @@ __all__ = [
     "usable",
     "quantize_rows",
     "quantize_rows_dynamic",
+    "fake_quantize_rows",
     "mask_zero_",
     "epilogue",
     "dequantize_rows",
@@ -51,6 +52,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     # x, rows, cols, scale, scale_stride, z, qmin, qmax, out, mask, rowsum
     "intqat_quantize_rows": [_P, _I, _I, _P, _I, _F, _F, _F, _P, _P, _P],
+    # x, rows, cols, scale, scale_stride, z, qmin, qmax, out, mask
+    "intqat_fake_quantize_rows": [_P, _I, _I, _P, _I, _F, _F, _F, _P, _P],
     # x, rows, cols, qmin, qmax, eps, out, scale, rowsum
     "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
     # g, mask, n
@@ -220,6 +223,20 @@ def quantize_rows(
     elif rowsum is not None:
         rowsum.zero_()
     return out, mask, rowsum
+
+
+def fake_quantize_rows(
+    x: Tensor, scale: Tensor, zero_point: float, qmin: int, qmax: int, per_row: bool, need_mask: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """x float (rows, ...) -> (x_hat fp32 like x, clip mask bool like x or None), as quantize_rows."""
+    x, rows, cols = _float_rows(x, 0 if per_row else None)
+    s = scale.detach().to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
+    if x.numel():
+        _lib.intqat_fake_quantize_rows(x.data_ptr(), rows, cols, s.data_ptr(), 1 if per_row else 0, float(zero_point),
+                                       float(qmin), float(qmax), out.data_ptr(), _ptr(mask))
+    return out, mask
 
 
 def quantize_rows_dynamic(

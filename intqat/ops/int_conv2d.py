@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops.int_linear import integer_epilogue, rounded_zero_point, weight_colsum
+from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
-from intqat.ops.qparams import SCALE_EPS
-from intqat.ops.quant import check_qrange, quantize, quantize_with_mask
+from intqat.ops.qparams import SCALE_EPS, row_absmax
+from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
 __all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size"]
 
@@ -75,7 +75,7 @@ def conv_codes_forward(
 
 def _quantize_input(x, x_scale, x_zero_point, qmin, qmax, dynamic, need_mask):
     if dynamic:
-        s = torch.clamp(x.detach().abs().amax() / qmax, min=SCALE_EPS).reshape(1, 1)
+        s = torch.clamp(row_absmax(x.detach(), dim=None) / qmax, min=SCALE_EPS).reshape(1, 1)
         z = torch.zeros(1, dtype=torch.int32, device=x.device)
         return quantize(x, s.reshape(()), 0, qmin, qmax), None, s, z
     s = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
@@ -96,12 +96,11 @@ def _int_conv2d_op(
     q_x, mask_x, s_x, z_x = _quantize_input(x, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic, not x_dynamic)
     w2 = weight.detach().reshape(weight.shape[0], -1)
     ws = w_scale.detach().reshape(-1)
-    if w_clip_mask:
-        q_w, mask_w = quantize_with_mask(w2, ws, 0, w_qmin, w_qmax, axis=0)
-    else:
-        q_w, mask_w = quantize(w2, ws, 0, w_qmin, w_qmax, axis=0), None
+    # codes, clip mask and colsum in one pass on the CPU
+    q_w, mask_w, colsum, _ = quantize_weight(w2, ws, w_qmin, w_qmax, need_mask=w_clip_mask, need_colsum=not x_dynamic)
     q_w = q_w.reshape(weight.shape)
-    colsum = torch.zeros(1, dtype=torch.int32, device=x.device) if x_dynamic else weight_colsum(q_w.reshape(q_w.shape[0], -1))
+    if x_dynamic:
+        colsum = torch.zeros(1, dtype=torch.int32, device=x.device)
     y = conv_codes_forward(q_x, z_x, s_x, q_w, colsum, ws, None if bias is None else bias.detach(),
                            stride, padding, dilation, groups, pad_value=int(z_x))
     empty = lambda: torch.empty(0, dtype=torch.bool, device=x.device)  # noqa: E731 (outputs may not alias)
@@ -149,15 +148,15 @@ def _backward(ctx, g, *_unused):
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32).contiguous()
     ws = w_scale.detach().reshape(-1, 1, 1, 1).to(torch.float32)
-    x_hat = (q_x.to(torch.float32) - z_x.to(torch.float32)) * s_x.reshape(())
-    w_hat = q_w.to(torch.float32) * ws
+    x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
+    w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
     grad_xhat, grad_what, grad_b = torch.ops.aten.convolution_backward(
         g, x_hat, w_hat, [w_hat.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
         False, [0, 0], groups, [need_x or need_sx or need_zx, need_w or need_sw, need_b and ctx.has_bias],
     )
     grad_x = grad_w = grad_sx = grad_zx = grad_sw = None
     if need_x:
-        grad_x = grad_xhat * mask_x if mask_x.numel() else grad_xhat
+        grad_x = torch.where(mask_x, grad_xhat, 0.0) if mask_x.numel() else grad_xhat
     if ctx.x_lsq and (need_sx or need_zx):
         m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
         gf = lsq_grad_factor(q_x.numel(), x_qmax)
@@ -168,7 +167,7 @@ def _backward(ctx, g, *_unused):
         if need_zx:
             grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(zx_shape)
     if need_w:
-        grad_w = grad_what * mask_w if mask_w.numel() else grad_what
+        grad_w = torch.where(mask_w, grad_what, 0.0) if mask_w.numel() else grad_what
     if need_sw:
         m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
         ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), ws, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from intqat.ops import cpu_kernels
 
-__all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "check_qrange"]
+__all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "fake_quantize_with_mask", "check_qrange"]
 
 
 def check_qrange(qmin: int, qmax: int) -> None:
@@ -148,4 +148,27 @@ def fake_quantize(
     axis: int | None = None,
 ) -> Tensor:
     """dequantize(quantize(x)): the fp32 simulation of the codes (no autograd; see intqat.nn for STE)."""
-    return dequantize(quantize(x, scale, zero_point, qmin, qmax, axis), scale, zero_point, axis)
+    return fake_quantize_with_mask(x, scale, zero_point, qmin, qmax, axis, need_mask=False)[0]
+
+
+def fake_quantize_with_mask(
+    x: Tensor,
+    scale: Tensor | float,
+    zero_point: Tensor | int,
+    qmin: int,
+    qmax: int,
+    axis: int | None = None,
+    need_mask: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """(dequantize(quantize(x)) fp32, clip mask or None); on plain CPU tensors in one fused pass."""
+    check_qrange(qmin, qmax)
+    s = _broadcast(scale, x, axis, "scale")
+    z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
+    if not x.is_floating_point():
+        raise ValueError(f"fake_quantize expects a floating-point input, got dtype {x.dtype}")
+    per_row = _fused_rows(x, s, z, axis)
+    if per_row is not None:
+        z_val = 0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32))
+        return cpu_kernels.fake_quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
+    q, mask = _codes(x, scale, zero_point, qmin, qmax, axis, need_mask)
+    return dequantize(q, scale, zero_point, axis), mask

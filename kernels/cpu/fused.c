@@ -48,6 +48,30 @@ void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const floa
     }
 }
 
+/* Fake quantization, x -> x_hat = (q - z) * s with q as in intqat_quantize_rows, in fp32, plus the
+ * optional clip mask: torch.fake_quantize_per_{tensor,channel}_affine in one pass. */
+void intqat_fake_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                               float z, float qmin, float qmax, float *out, uint8_t *mask) {
+    OMP_FOR
+    for (int64_t i = 0; i < rows; ++i) {
+        const float s = scale[i * scale_stride];
+        const float inv = 1.0f / s;
+        const float *xi = x + i * cols;
+        float *oi = out + i * cols;
+        if (mask) {
+            uint8_t *mi = mask + i * cols;
+            for (int64_t k = 0; k < cols; ++k) {
+                const float r = round_shift(xi[k], inv, z);
+                const float q = clampf(r, qmin, qmax);
+                oi[k] = (q - z) * s;
+                mi[k] = (uint8_t)(q == r);
+            }
+        } else {
+            for (int64_t k = 0; k < cols; ++k) oi[k] = (clampf(round_shift(xi[k], inv, z), qmin, qmax) - z) * s;
+        }
+    }
+}
+
 /* Dynamic symmetric per-row quantization: scale[i] = max(max_k |x[i, k]| / qmax, eps), z = 0.
  * Per-token activation scales, and min-max per-channel weight scales (rowsum: the weight colsum).
  * The row is read twice, the second time from cache: one pass over memory. */
