@@ -44,11 +44,15 @@ from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "ExportResult", "export_mixed_precision", "tidy_program", "write_program", "export_fn_for_callback",
-    "MODEL_FILE", "REPORT_JSON", "REPORT_MD", "OUTPUT_FILES",
+    "MODEL_FILE", "REPORT_JSON", "REPORT_MD", "OUTPUT_FILES", "AOTI_FILE", "compile_aoti",
 ]
 
 MODEL_FILE, REPORT_JSON, REPORT_MD = "model.pt2", "report.json", "report.md"
 OUTPUT_FILES = (MODEL_FILE, REPORT_JSON, REPORT_MD)
+# Optional: the same program compiled ahead of time by AOTInductor for this machine's CPU. Loads
+# with torch._inductor.aoti_load_package (no intqat needed either) and skips the Python
+# interpreter of the graph: per-call overhead is what dominates small models.
+AOTI_FILE = "model.aoti.pt2"
 # Provenance only (source lines, pass history): a quarter of a small program's file, and nothing
 # torch.export.load or the graph needs. nn_module_stack stays: it names the layer of each node.
 DEBUG_META = ("stack_trace", "from_node", "torch_fn", "source_fn_stack")
@@ -378,6 +382,7 @@ class ExportResult:
     validation: dict[str, Any]
     reference: ExportedProgram
     info: dict[str, Any] = field(default_factory=dict)  # inputs, versions, stages: goes into report.json
+    check_inputs: tuple = ()  # one validation batch's inputs: what an AOTInductor package is checked on
 
     def to_dict(self) -> dict[str, Any]:
         return {"export": self.info, "validation": self.validation, "autocast": self.report.to_dict()}
@@ -407,9 +412,10 @@ class ExportResult:
                   self.report.to_markdown(), ""]
         return "\n".join(lines)
 
-    def save(self, out_dir: str | os.PathLike, *, compress: bool = True) -> dict[str, Path]:
+    def save(self, out_dir: str | os.PathLike, *, compress: bool = True, aoti: bool = False) -> dict[str, Path]:
         """Write model.pt2 (torch.export.save; `compress`: deflate-packed, still loaded by
-        torch.export.load), report.json and report.md into out_dir, all or nothing.
+        torch.export.load), report.json and report.md into out_dir, all or nothing; with `aoti`
+        also model.aoti.pt2 (`compile_aoti`: checked equal to the program before it is kept).
 
         Everything is written into a temporary directory next to out_dir, then moved in with
         os.replace: a failure part way leaves out_dir as it was and no temporary files behind.
@@ -424,18 +430,52 @@ class ExportResult:
             write_program(self.program, model_path, compress=compress)
             files = {MODEL_FILE: {"bytes": model_path.stat().st_size, "sha256": _sha256(model_path),
                                   "compressed": compress}}
+            names = OUTPUT_FILES
+            if aoti:
+                check = compile_aoti(self.program, tmp / AOTI_FILE, self.check_inputs)
+                files[AOTI_FILE] = {"bytes": (tmp / AOTI_FILE).stat().st_size, "sha256": _sha256(tmp / AOTI_FILE),
+                                    **check}
+                names = (*OUTPUT_FILES, AOTI_FILE)
             (tmp / REPORT_JSON).write_text(json.dumps({**self.to_dict(), "files": files}, indent=2) + "\n")
             (tmp / REPORT_MD).write_text(self.to_markdown(files))
-            for name in OUTPUT_FILES:
+            for name in names:
                 _fsync(tmp / name)
             if not out.exists():
                 os.replace(tmp, out)  # one rename: the directory appears complete
-                return {name: out / name for name in OUTPUT_FILES}
-            for name in OUTPUT_FILES:  # each file replaced whole; report.json holds model.pt2's hash
+                return {name: out / name for name in names}
+            for name in names:  # each file replaced whole; report.json holds model.pt2's hash
                 os.replace(tmp / name, out / name)
-            return {name: out / name for name in OUTPUT_FILES}
+            return {name: out / name for name in names}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- AOTInductor --------------------------------------------------------------------------------------
+def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs: tuple = ()) -> dict[str, Any]:
+    """Compile `program` with AOTInductor into the package `path` (this CPU's native code; ~15 s
+    for the digits MLP here) and check it: on `check_inputs` its outputs must equal the program's
+    (torch.equal), else ValueError and nothing is left at `path`. -> what was checked, for the report.
+
+    The integer steps stay exact: _int_mm is an extern kernel, and the float epilogue is compiled
+    without contracting multiply and add (the check holds the package to that)."""
+    import torch._inductor
+
+    path = Path(path)
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        if not check_inputs:
+            return {"checked_equal_on": None}
+        runner = torch._inductor.aoti_load_package(str(path))
+        with torch.no_grad():
+            expected, got = program.module()(*check_inputs), runner(*check_inputs)
+        pairs = list(zip(tree_leaves(expected), tree_leaves(got)))
+        if not pairs or not all(torch.equal(a, b) for a, b in pairs):
+            worst = max(float((a.float() - b.float()).abs().max()) for a, b in pairs) if pairs else float("nan")
+            raise ValueError(f"AOTInductor package differs from the exported program (max |Δ| {worst:.3g}); not kept")
+        return {"checked_equal_on": [f"{tuple(a.shape)} {a.dtype}" for a in check_inputs if isinstance(a, Tensor)]}
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 # -- the entry point ----------------------------------------------------------------------------------
@@ -509,7 +549,10 @@ def export_mixed_precision(
         "torch": torch.__version__,
         "intqat": __version__,
     }
-    return ExportResult(program=program, report=report, validation=validation, reference=reference, info=info)
+    first = validation_batches[0] if validation_batches else args
+    check_inputs = _split_item(first, len(args), 0)[0] if first is not args else args
+    return ExportResult(program=program, report=report, validation=validation, reference=reference, info=info,
+                        check_inputs=check_inputs)
 
 
 # -- the IntQAT callback's export hook -------------------------------------------------------------
@@ -520,13 +563,15 @@ def export_fn_for_callback(
     *,
     calibration_batches: int = 4,
     validation_split: str = "test",
+    aoti: bool = False,
     **autocast_options: Any,
 ) -> ExportResult | None:
     """IntQAT(export_fn=...) hook: export pl_module.model into export_dir at the end of fit.
 
     Calibrates on the first `calibration_batches` of the validation split and reports the error
     and accuracy on the whole `validation_split` ("test" or "val") of trainer.datamodule. Runs on
-    global rank 0 only (returns None elsewhere). Bind options with functools.partial, or in a
+    global rank 0 only (returns None elsewhere). aoti: also write model.aoti.pt2 (see
+    ExportResult.save). Bind options with functools.partial, or in a
     recipe: `export_fn: {_target_: intqat.export.export_fn_for_callback, _partial_: true}`.
     """
     if not getattr(trainer, "is_global_zero", True):
@@ -547,5 +592,5 @@ def export_fn_for_callback(
                                     validation_data=validation, **autocast_options)
     result.info["source"] = f"end of fit, epoch {getattr(trainer, 'current_epoch', '?')}, step {getattr(trainer, 'global_step', '?')}"
     result.info["validation_split"] = validation_split
-    result.save(export_dir)
+    result.save(export_dir, aoti=aoti)
     return result

@@ -349,3 +349,54 @@ def test_cli_errors_name_the_file_and_the_problem(tmp_path, capsys, case, code, 
     err = capsys.readouterr().err
     assert message in err and (case == "unknown_recipe" or str(ckpt) in err)
     assert not (tmp_path / "out").exists()
+
+
+# -- AOTInductor package ------------------------------------------------------------------------------
+
+_AOTI_NO_INTQAT = """
+import sys, torch, torch._inductor
+package, x_path, y_path = sys.argv[1:4]
+runner = torch._inductor.aoti_load_package(package)
+torch.save(runner(torch.load(x_path)), y_path)
+assert "intqat" not in sys.modules
+"""
+
+
+def test_cli_aoti_package_equals_the_program_and_runs_without_intqat(run_dir, digits, tmp_path, capsys):
+    # intqat-export --aoti: model.aoti.pt2 beside model.pt2, checked equal before it is kept
+    out = tmp_path / "aoti-export"
+    cli.main([str(run_dir), "--out", str(out), "--aoti"])
+    assert sorted(p.name for p in out.iterdir()) == sorted((*OUTPUT_FILES, "model.aoti.pt2"))
+    report = json.loads((out / "report.json").read_text())
+    meta = report["files"]["model.aoti.pt2"]
+    assert meta["bytes"] == (out / "model.aoti.pt2").stat().st_size and meta["checked_equal_on"]
+    assert "model.aoti.pt2" in capsys.readouterr().out
+    xt = digits.test_set.tensors[0][:37].clone()  # a batch size it was not compiled or checked on
+    torch.save(xt, tmp_path / "x.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _AOTI_NO_INTQAT, str(out / "model.aoti.pt2"), str(tmp_path / "x.pt"),
+                           str(tmp_path / "y.pt")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    program = torch.export.load(out / "model.pt2").module()
+    assert torch.equal(torch.load(tmp_path / "y.pt"), program(xt))
+
+
+def test_compile_aoti_keeps_nothing_when_the_package_differs(tmp_path, monkeypatch):
+    from intqat import export as export_mod
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    layer = intqat.prepare_qat(nn.Sequential(nn.Linear(8, 4)), "w8a8")
+    intqat.calibrate(layer, [(x,)])
+    result = export_mixed_precision(intqat.to_integer(layer), (x[:2],), validation_data=[(x,)])
+    real_load = torch._inductor.aoti_load_package
+
+    def off_by_one_ulp(path):  # a package whose numbers are not the program's
+        runner = real_load(path)
+        return lambda *a: torch.nextafter(runner(*a), torch.tensor(float("inf")))
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", off_by_one_ulp)
+    target = tmp_path / "m.aoti.pt2"
+    with pytest.raises(ValueError, match="differs from the exported program"):
+        export_mod.compile_aoti(result.program, target, result.check_inputs)
+    assert not target.exists()

@@ -221,9 +221,10 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "(3 matmuls for forward+backward).",
         "saved/layer: bytes autograd keeps for backward (saved_tensors_hooks, one count per storage, parameters "
         "excluded); lower is better.",
-        "int_linear rows: the functional op with w_scale = max|W| / 127 per channel recomputed each call (as IntLinear "
-        "does); static = per-tensor asymmetric x_scale/zero point fixed from x. IntLinear / FakeQuantLinear: the "
-        "modules, activation observer on.",
+        "int_linear rows: the functional op with w_scale=None, i.e. min-max per-channel weight scales computed inside "
+        "the op at each call (as IntLinear does); static = per-tensor asymmetric x_scale/zero point fixed from x. "
+        "IntLinear / FakeQuantLinear: the modules, activation observer on. intqat rows use the fused CPU kernels "
+        "when they are built (see the machine line).",
         "torchao FakeQuantizedLinear: int8 per-token activations (asymmetric: torchao 0.18 rejects symmetric "
         "per-token), int8 per-channel symmetric weights. torch.ao: weight FQ + the output activation FQ prepare_qat "
         "attaches (x86 qconfig: per-channel weights, reduce_range activations).",

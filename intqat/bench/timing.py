@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from intqat.ops import cpu_kernels
+
 __all__ = ["Timing", "time_interleaved", "speed_ratio", "machine_info", "machine_lines"]
 
 
@@ -125,6 +127,7 @@ def machine_info() -> dict:
         "torchao": torchao_version,
         "python": platform.python_version(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "fused_cpu_kernels": cpu_kernels.available(),
     }
 
 
@@ -136,6 +139,7 @@ def machine_lines(info: dict | None = None) -> list[str]:
     lines = [
         f"machine: {info['cpu']} ({isa}), {info['cores']} cores, {info['torch_threads']} torch threads; "
         f"torch {info['torch']}, torchao {info['torchao'] or 'not installed'}"
+        + f"; intqat fused CPU kernels {'on' if info.get('fused_cpu_kernels') else 'OFF (torch path)'}"
         + ("" if load is None else f"; 1-min load avg before the run {load:.2f}")
     ]
     if load is not None and load > 0.5 * info["cores"]:
