@@ -305,3 +305,16 @@ def test_int_conv2d_forward_and_gradients_match_the_torch_path(dynamic, learn):
         return (y.detach(), *torch.autograd.grad(y, inputs, g))
 
     assert_same(*both(run))
+
+
+def test_tracers_see_the_torch_path():
+    # make_fx records aten calls; a C call would be invisible to it and the graph would be wrong
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, s = torch.randn(6, 10) * 3, torch.tensor(0.05)
+    gm = make_fx(lambda t: quantize(t, s, 0, -127, 127))(x)
+    assert any(n.op == "call_function" for n in gm.graph.nodes)
+    assert torch.equal(gm(x), quantize(x, s, 0, -127, 127))
+    # vmap: batched tensors pass for plain ones by type, so the transform check must catch them
+    y = torch.vmap(lambda t: quantize(t, s, 0, -127, 127))(x)
+    assert torch.equal(y, quantize(x, s, 0, -127, 127))

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils import _python_dispatch
 
 __all__ = [
     "available",
@@ -165,11 +166,15 @@ def disabled():
 
 
 def usable(*tensors: Tensor | None) -> bool:
-    """Can the fused kernels take these tensors? Plain, real CPU tensors, not while tracing."""
+    """Can the fused kernels take these tensors? Plain, real CPU tensors, and nothing is watching
+    the aten calls: no compile / export, no dispatch mode (make_fx, FlopCounterMode), no functorch
+    transform (vmap's batched tensors look like plain ones). Those see the torch path instead."""
     if _disabled_depth or torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
+    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
     for t in tensors:
-        if t is not None and (type(t) is not Tensor or t.device.type != "cpu"):
+        if t is not None and (type(t) not in (Tensor, torch.nn.Parameter) or t.device.type != "cpu"):
             return False
     return available()
 
