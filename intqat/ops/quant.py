@@ -78,15 +78,21 @@ def _fused_rows(x: Tensor, s: Tensor, z, axis: int | None) -> bool | None:
     return True if axis is not None and axis % x.dim() == 0 and x.dim() >= 1 else None
 
 
-def _codes(x, scale, zero_point, qmin, qmax, axis, need_mask):
+def _checked_params(x, scale, zero_point, qmin, qmax, axis, what: str):
+    """Validate a quantize call -> (s, z broadcast against x, fused per_row flag or None, z as float)."""
     check_qrange(qmin, qmax)
     s = _broadcast(scale, x, axis, "scale")
     z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
     if not x.is_floating_point():
-        raise ValueError(f"quantize expects a floating-point input, got dtype {x.dtype}")
+        raise ValueError(f"{what} expects a floating-point input, got dtype {x.dtype}")
     per_row = _fused_rows(x, s, z, axis)
+    z_val = None if per_row is None else (0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32)))
+    return s, z, per_row, z_val
+
+
+def _codes(x, scale, zero_point, qmin, qmax, axis, need_mask):
+    s, z, per_row, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "quantize")
     if per_row is not None:
-        z_val = 0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32))
         q, mask, _ = cpu_kernels.quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
         return q, mask
     r = _rounded(x, s, z)
@@ -161,14 +167,8 @@ def fake_quantize_with_mask(
     need_mask: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """(dequantize(quantize(x)) fp32, clip mask or None); on plain CPU tensors in one fused pass."""
-    check_qrange(qmin, qmax)
-    s = _broadcast(scale, x, axis, "scale")
-    z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
-    if not x.is_floating_point():
-        raise ValueError(f"fake_quantize expects a floating-point input, got dtype {x.dtype}")
-    per_row = _fused_rows(x, s, z, axis)
+    s, _, per_row, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "fake_quantize")
     if per_row is not None:
-        z_val = 0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32))
         return cpu_kernels.fake_quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
     q, mask = _codes(x, scale, zero_point, qmin, qmax, axis, need_mask)
     return dequantize(q, scale, zero_point, axis), mask
