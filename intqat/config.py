@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Literal
 
+from intqat.ops.digit_gemm import check_grad_gemm
 from intqat.ops.qparams import qrange
 
 __all__ = ["QuantSpec", "QuantConfig", "PRESETS", "resolve_config"]
@@ -92,8 +93,15 @@ class QuantConfig:
 
     weight: QuantSpec = field(default_factory=_default_weight)
     activation: QuantSpec = field(default_factory=_default_activation)
+    # How integer linear layers run their backward GEMMs: "int8x3" (grad_x of large layers on the
+    # int8 units, the gradient split into three int8 digits; intqat.ops.digit_gemm) or "fp32".
+    grad_gemm: str = "int8x3"
 
     def __post_init__(self):
+        try:
+            check_grad_gemm(self.grad_gemm)
+        except ValueError as e:
+            raise ValueError(f"QuantConfig({e})") from None
         for name in ("weight", "activation"):
             value = getattr(self, name)
             if hasattr(value, "items"):
@@ -182,8 +190,9 @@ def resolve_config(config: QuantConfig | str | dict | None) -> QuantConfig:
         base = QuantConfig.from_preset(d.pop("preset", "w8a8"))
         w = dict((d.pop("weight", None) or {}).items())
         a = dict((d.pop("activation", None) or {}).items())
+        grad_gemm = d.pop("grad_gemm", base.grad_gemm)
         if d:
-            raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation")
+            raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation, grad_gemm")
         return QuantConfig(weight=_spec_from_dict(w, "weight", base.weight),
-                           activation=_spec_from_dict(a, "activation", base.activation))
+                           activation=_spec_from_dict(a, "activation", base.activation), grad_gemm=grad_gemm)
     raise TypeError(f"expected a QuantConfig, a preset name or a dict, got {type(config).__name__}")

@@ -111,12 +111,15 @@ def test_saves_int8_codes_not_the_fp32_input():
     assert not any(t is x for t in saved)
 
 
-def test_custom_op_passes_opcheck():
-    x, W, b, s_x, z_x, s_w = _problem(M=8, K=16, N=4, learn=True)
+@pytest.mark.parametrize("M,K,N", [(8, 16, 4), (32, 512, 1024)])  # the second takes the digit GEMM backward
+def test_custom_op_passes_opcheck(M, K, N):
+    x, W, b, s_x, z_x, s_w = _problem(M=M, K=K, N=N, learn=True)
     op = torch.ops.intqat.int_linear.default
     for dynamic in (False, True):
-        args = (x, W, b, s_x, z_x, s_w, -128, 127, -127, 127, dynamic, not dynamic, True)
-        torch.library.opcheck(op, args)
+        for grad_gemm in ("int8x3", "fp32"):
+            args = (x, W, b, s_x, z_x, s_w, -128, 127, -127, 127, dynamic, not dynamic, True, grad_gemm)
+            torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args[:-1])  # grad_gemm has a default in the schema
 
 
 def test_compiles_as_one_opaque_node_without_graph_breaks():

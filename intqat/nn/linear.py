@@ -30,6 +30,8 @@ __all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear"]
 
 
 class _QuantLinearBase(nn.Module):
+    grad_gemm = "int8x3"  # QuantConfig.grad_gemm: how IntLinear's backward GEMMs run (set per instance)
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, input_quantizer, weight_quantizer):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -39,7 +41,8 @@ class _QuantLinearBase(nn.Module):
         self.weight_quantizer = weight_quantizer
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        grad = "" if self.grad_gemm == "int8x3" else f", grad_gemm={self.grad_gemm}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{grad}"
 
     def to_linear(self) -> nn.Linear:
         """Back to a float nn.Linear sharing the same Parameters."""
@@ -54,12 +57,15 @@ class FakeQuantLinear(_QuantLinearBase):
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
         config = resolve_config(config)
-        return cls(
+        fq = cls(
             linear.weight,
             linear.bias,
             ActivationQuantizer(config.activation).to(linear.weight.device),
             WeightQuantizer(config.weight, linear.weight).to(linear.weight.device),
         )
+        if config.grad_gemm != fq.grad_gemm:
+            fq.grad_gemm = config.grad_gemm  # carried to the IntLinear that replaces it
+        return fq
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
@@ -84,13 +90,16 @@ class IntLinear(_QuantLinearBase):
 
     @classmethod
     def from_fake_quant(cls, fq: FakeQuantLinear) -> "IntLinear":
-        return cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer)
+        mod = cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer)
+        if fq.grad_gemm != mod.grad_gemm:
+            mod.grad_gemm = fq.grad_gemm
+        return mod
 
     def _op_args(self):
         aq, wq = self.input_quantizer, self.weight_quantizer
         # a min-max weight scale (not learned) never clips: no weight mask to keep for backward
         return dict(x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
-                    w_clip_mask=wq.scale is not None)
+                    w_clip_mask=wq.scale is not None, grad_gemm=self.grad_gemm)
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input

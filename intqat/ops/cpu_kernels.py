@@ -46,6 +46,8 @@ __all__ = [
     "mask_zero_",
     "epilogue",
     "dequantize_rows",
+    "split_digits",
+    "combine_digits",
     "scratch",
 ]
 
@@ -63,6 +65,10 @@ _SIGNATURES = {
     "intqat_epilogue": [_P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
     # q, rows, cols, scale, scale_stride, z, out
     "intqat_dequantize_rows": [_P, _I, _I, _P, _I, _F, _P],
+    # a, R, C, rs, cs, col_scale, scale_stride, digits, shift, rowsum
+    "intqat_split_digits": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P],
+    # acc, R, K, shift, rowsum, z, mask, out
+    "intqat_combine_digits": [_P, _I, _I, _P, _P, ctypes.c_int32, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -302,4 +308,36 @@ def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row:
     if q.numel():
         _lib.intqat_dequantize_rows(q.data_ptr(), rows, cols, _ptr(s), 1 if per_row else 0, float(zero_point),
                                     out.data_ptr())
+    return out
+
+
+def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool,
+                 digits: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """a fp32 (R, C), any strides (a transposed view is read in place), col_scale (C,) or one value
+    -> (digits int8 (3, R, C), shift int32 (R,), digit row sums int32 (3, R) or None).
+
+    See intqat.ops.digit_gemm.split_digits, the torch twin. digits: an int8 (3, R, C) buffer to fill."""
+    R, C = a.shape
+    if a.dtype != torch.float32:
+        a = a.to(torch.float32)
+    s = col_scale.detach().to(torch.float32).contiguous()
+    if digits is None:
+        digits = torch.empty((3, R, C), dtype=torch.int8)
+    shift = torch.empty(R, dtype=torch.int32)
+    rowsum = torch.empty((3, R), dtype=torch.int32) if need_rowsum else None
+    if R:
+        _lib.intqat_split_digits(a.data_ptr(), R, C, a.stride(0), a.stride(1), s.data_ptr(), 1 if s.numel() > 1 else 0,
+                                 digits.data_ptr(), shift.data_ptr(), _ptr(rowsum))
+    return digits, shift, rowsum
+
+
+def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, mask: Tensor | None) -> Tensor:
+    """acc int32 (3R, K) -> fp32 (R, K): see intqat.ops.digit_gemm.combine_digits, the torch twin."""
+    acc = acc.contiguous()
+    R, K = acc.shape[0] // 3, acc.shape[1]
+    mask = None if mask is None else mask.contiguous()
+    out = torch.empty((R, K), dtype=torch.float32)
+    if out.numel():
+        _lib.intqat_combine_digits(acc.data_ptr(), R, K, shift.data_ptr(), _ptr(rowsum), int(z), _ptr(mask),
+                                   out.data_ptr())
     return out

@@ -10,6 +10,8 @@ Backward (straight-through, fp32) needs only the int8 codes, the clip masks and 
     grad_x    = grad_xhat * mask_x
     grad_what = gᵀ @ x_hat,  x_hat = (float(q_x) - z_x) * s_x
     grad_w    = grad_what * mask_w
+By default (grad_gemm="int8x3") the grad_x GEMM of a large layer runs on the int8 units, g split
+into three int8 digits (intqat.ops.digit_gemm); grad_gemm="fp32" keeps both GEMMs in fp32.
 plus LSQ gradients for learnable scales and the LSQ+ gradient for the activation zero point.
 
 `intqat::int_linear` is one torch.library custom op with `register_autograd`, so torch.compile and
@@ -27,6 +29,7 @@ from torch.utils import _python_dispatch
 
 from intqat.ops import cpu_kernels
 from intqat.ops.backend import backend_for
+from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.int_mm import MAX_K_INT32, int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
@@ -158,6 +161,7 @@ def _int_linear_forward(
     x_dynamic: bool,
     x_clip_mask: bool,
     w_clip_mask: bool,
+    grad_gemm: str = "int8x3",  # read by the backward only
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (y (M, N) fp32, q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x int32 (1,), s_w (N,)).
 
@@ -198,6 +202,7 @@ def _int_linear_op(
     x_dynamic: bool,
     x_clip_mask: bool,
     w_clip_mask: bool,
+    grad_gemm: str = "int8x3",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The op torch.compile / torch.export / opcheck see; outputs as `_int_linear_forward`."""
     return _int_linear_forward(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax,
@@ -205,7 +210,8 @@ def _int_linear_op(
 
 
 @_int_linear_op.register_fake
-def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, x_clip_mask, w_clip_mask):
+def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, x_clip_mask, w_clip_mask,
+      grad_gemm="int8x3"):
     M, K = x.shape
     N = weight.shape[0]
     mask_x = x.new_empty((M, K) if (x_clip_mask and not x_dynamic) else (0,), dtype=torch.bool)
@@ -224,7 +230,8 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _ = inputs
+    x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _, *rest = inputs
+    grad_gemm = rest[0] if rest else "int8x3"  # the schema's default, when a caller leaves it out
     _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
     x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale is not None and w_scale.requires_grad
@@ -236,6 +243,7 @@ def _setup_context(ctx, inputs, output):
     ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
     ctx.x_lsq, ctx.w_lsq = x_lsq, w_lsq
     ctx.has_bias = bias is not None
+    ctx.grad_gemm = grad_gemm
     ctx.x_scale_shape = x_scale.shape
     ctx.x_zero_point_shape = x_zero_point.shape
     ctx.w_scale_shape = None if w_scale is None else w_scale.shape
@@ -243,7 +251,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
-        return (None,) * 13
+        return (None,) * 14
     q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
@@ -252,10 +260,17 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     triton = backend_for(g) == "triton"
     if triton:
         from intqat import kernels
+    digits = ctx.grad_gemm == "int8x3" and digits_pay(*q_x.shape, q_w.shape[0])  # grad_x on the int8 units
 
     if need_x or need_sx or need_zx:
         if triton:
             grad_x, grad_xhat = kernels.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
+        elif digits:
+            # grad_xhat = (g * s_w) @ q_w on the int8 units (digit_gemm); the mask is applied in the
+            # same pass unless the LSQ terms below need grad_xhat unmasked
+            fuse = mask_x.numel() and not ctx.x_lsq
+            grad_xhat = digit_matmul(g, w_scale, q_w, 0, mask_x if fuse else None)
+            grad_x = grad_xhat if (fuse or not mask_x.numel()) else torch.where(mask_x, grad_xhat, 0.0)
         else:
             # grad_xhat = g @ w_hat, w_hat = q_w * s_w[n]    (M, N) @ (N, K) -> (M, K), one pass to make w_hat
             grad_xhat = g @ _dequantized(q_w, w_scale, 0, per_row=True, role="w_hat")
@@ -304,7 +319,7 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
                 grad_sw = ((grad_what * ds).sum(dim=1) * gf).reshape(ctx.w_scale_shape)
     if need_b and ctx.has_bias:
         grad_b = g.sum(dim=0)
-    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None, None
 
 
 def _accumulate(q_x: Tensor, q_w: Tensor) -> Tensor:
@@ -408,6 +423,7 @@ def int_linear(
     w_qmax: int = 127,
     x_dynamic: bool = False,
     w_clip_mask: bool | None = None,
+    grad_gemm: str = "int8x3",
 ) -> Tensor:
     """y = x @ Wᵀ + b through int8 codes and an int32 matmul; differentiable (STE + LSQ).
 
@@ -418,10 +434,15 @@ def int_linear(
     `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
     `w_clip_mask`: keep the weight clip mask for backward (default True). A caller whose w_scale is
     the weight's own max|W| / qmax may pass False: such a scale never clips, the mask is all ones.
+    `grad_gemm`: "int8x3" (default): grad_x = (g * s_w) @ q_w runs on the int8 units, g split into
+    three int8 digits (21 bits below each row's max, rounded once; intqat.ops.digit_gemm), for the
+    layers where that is faster (`digits_pay`); "fp32": fp32 GEMMs only. grad_w is always an fp32
+    GEMM, and the Triton (GPU) backward runs fp32 GEMMs.
     """
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic)
     check_qrange(x_qmin, x_qmax)
     check_qrange(w_qmin, w_qmax)
+    check_grad_gemm(grad_gemm)
     if x_dynamic:
         x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
     else:
@@ -431,6 +452,6 @@ def int_linear(
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
     args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
-            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask)
+            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
     y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
     return y.reshape(*lead, weight.shape[0])

@@ -10,6 +10,7 @@
  * Parallel over rows with OpenMP; the library links libgomp.so.1, which resolves to the copy torch
  * has already loaded, so these loops share torch's thread pool and its thread count.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -145,6 +146,101 @@ void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const f
             for (int64_t k = 0; k < cols; ++k) oi[k] = ((float)qi[k] - z) * s;
         } else {
             for (int64_t k = 0; k < cols; ++k) oi[k] = (float)qi[k];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The backward GEMMs through int8 digits (intqat/ops/digit_gemm.py has the torch twin and the why).
+ *
+ * Split: v = a[r, c] * col_scale[c] (one float32 rounding, as torch), then per row r a power of two
+ * 2^t with max_c |v| * 2^t in [63.75, 127.5), and three int8 digits, exact in double:
+ *     v * 2^t = d0 + d1 / 2^7 + d2 / 2^14 + residual,   |d0| <= 127, |d1|, |d2| <= 64, |residual| <= 2^-15
+ * a (R, C) is read through strides (rs, cs), so a transposed view needs no copy. A row holding a
+ * NaN or an infinity gets shift INTQAT_BAD_ROW and zero digits; the combine writes NaN there.
+ * rowsum (3, R), optional: each digit plane's row sums, for the zero-point correction. */
+#define INTQAT_BAD_ROW INT32_MIN
+
+/* One row; inlined with constant strides for the common contiguous case, so that it vectorizes. */
+static inline void split_row(const float *ar, int64_t C, int64_t cs, const float *col_scale, int64_t ss,
+                             int8_t *d0, int8_t *d1, int8_t *d2, int32_t *shift, int32_t *sums) {
+    /* max |v| on the bit patterns (as intqat_quantize_rows_dynamic): an integer max vectorizes, and
+     * a NaN or an infinity shows as bits >= those of +inf */
+    uint32_t abits = 0;
+    for (int64_t c = 0; c < C; ++c) {
+        const float v = ar[c * cs] * col_scale[c * ss];
+        uint32_t b;
+        __builtin_memcpy(&b, &v, 4);
+        b &= 0x7fffffffu;
+        abits = b > abits ? b : abits;
+    }
+    float amax;
+    __builtin_memcpy(&amax, &abits, 4);
+    int32_t s0 = 0, s1 = 0, s2 = 0;
+    if (abits >= 0x7f800000u) {
+        *shift = INTQAT_BAD_ROW;
+        for (int64_t c = 0; c < C; ++c) d0[c] = d1[c] = d2[c] = 0;
+    } else {
+        int e;
+        frexp((double)amax, &e);
+        int t = 7 - e;
+        double p = ldexp(1.0, t);
+        if ((double)amax * p >= 127.5) { t -= 1; p *= 0.5; }
+        *shift = t;
+        for (int64_t c = 0; c < C; ++c) {
+            const double x = (double)(ar[c * cs] * col_scale[c * ss]) * p;
+            const double q0 = nearbyint(x);
+            const double r1 = (x - q0) * 128.0;
+            const double q1 = nearbyint(r1);
+            const double q2 = nearbyint((r1 - q1) * 128.0);
+            d0[c] = (int8_t)(int32_t)q0; d1[c] = (int8_t)(int32_t)q1; d2[c] = (int8_t)(int32_t)q2;
+            s0 += (int32_t)q0; s1 += (int32_t)q1; s2 += (int32_t)q2;
+        }
+    }
+    sums[0] = s0; sums[1] = s1; sums[2] = s2;
+}
+
+void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
+                         int64_t ss, int8_t *digits, int32_t *shift, int32_t *rowsum) {
+    const int64_t plane = R * C;
+    OMP_FOR
+    for (int64_t r = 0; r < R; ++r) {
+        int8_t *d0 = digits + r * C;
+        int32_t sums[3];
+        if (cs == 1 && ss == 1)
+            split_row(a + r * rs, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+        else if (cs == 1 && ss == 0)
+            split_row(a + r * rs, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+        else
+            split_row(a + r * rs, C, cs, col_scale, ss, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+        if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
+    }
+}
+
+/* Combine: acc (3R, K) int32 = the three digit planes times int8 codes q (C, K), and
+ *     out[r, k] = float32(2^-(t + 14) * sum_j 2^(14 - 7j) * (acc_j[r, k] - z * rowsum_j[r]))
+ * The sum is an integer below 2^53, exact in double, and the power of two is exact: one rounding.
+ * mask (R, K) optional: out = mask ? out : 0 (the straight-through clip mask). */
+void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
+                           int32_t z, const uint8_t *mask, float *out) {
+    const int64_t plane = R * K;
+    OMP_FOR
+    for (int64_t r = 0; r < R; ++r) {
+        float *o = out + r * K;
+        const uint8_t *mr = mask ? mask + r * K : 0;
+        if (shift[r] == INTQAT_BAD_ROW) {
+            for (int64_t k = 0; k < K; ++k) o[k] = (mr && !mr[k]) ? 0.0f : NAN;
+            continue;
+        }
+        const double p = ldexp(1.0, -(shift[r] + 14));
+        const double c0 = rowsum ? (double)z * rowsum[r] : 0.0;
+        const double c1 = rowsum ? (double)z * rowsum[R + r] : 0.0;
+        const double c2 = rowsum ? (double)z * rowsum[2 * R + r] : 0.0;
+        const int32_t *a0 = acc + r * K, *a1 = a0 + plane, *a2 = a1 + plane;
+        for (int64_t k = 0; k < K; ++k) {
+            const double T = ((double)a0[k] - c0) * 16384.0 + ((double)a1[k] - c1) * 128.0 + ((double)a2[k] - c2);
+            const float y = (float)(T * p);
+            o[k] = mr ? (mr[k] ? y : 0.0f) : y;
         }
     }
 }

@@ -1,0 +1,126 @@
+"""The straight-through backward GEMMs on the int8 units: fp32 gradients split into int8 digits.
+
+Why: int_linear's backward is two GEMMs of fp32 gradients with int8 codes,
+    grad_x = (g * s_w) @ float(q_w)          (M, N) @ (N, K)
+    grad_w = (g * s_x)ᵀ @ (float(q_x) - z_x)  (N, M) @ (M, K)
+and on this CPU an fp32 GEMM costs ~6x an int8 one: with the forward on the int8 units, the two
+fp32 GEMMs are most of a training step. The codes are exact small integers; only the gradient
+side is fp32. Split it, per row, into three int8 digits on a power-of-two grid (the Ozaki scheme
+for exact matrix products, Ozaki et al. 2012, cut at three digits):
+
+    a[r, c] * 2^t[r] = d0 + d1 / 2^7 + d2 / 2^14 + e,    |d0| <= 127, |d1|, |d2| <= 64, |e| <= 2^-15
+    (a @ q)[r, k]    = 2^-(t[r] + 14) * sum_j 2^(14 - 7j) * (d_j @ q)[r, k]          (+ e's share)
+
+Each d_j @ q is an exact int8 GEMM (`torch._int_mm`, the three planes stacked into one call), the
+weighted sum is an integer below 2^53 (exact in double), and the final scaling by a power of two is
+exact: the result is the exact product of the digit-rounded gradient with the codes, rounded once
+to fp32. The only approximation is the split: each element of a row keeps 21 bits below the
+row's largest element (relative error <= 2^-15 / 63.75 ~= 4.8e-7 of that element), against fp32's
+24 bits per element and an fp32 GEMM's own accumulation rounding. A bf16 backward keeps 8.
+
+Where it pays (measured on this 2-core AMX CPU, `digits_pay`): grad_x of int_linear, when the
+contraction N >= 512 and M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or
+narrower GEMMs spend more on the split than they save). Not grad_w: its contraction is the batch
+(M ~ 256), where the three-plane int8 GEMM, with its 3x larger int32 output, is no faster than
+fp32 here. `grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of
+NUMERICS.md. Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
+
+The fused C kernels (kernels/cpu/fused.c) and the torch functions here compute the same bits;
+tests/test_digit_gemm.py checks both and the error bound.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from intqat.ops import cpu_kernels
+from intqat.ops.int_mm import MAX_K_INT32, int_mm
+
+__all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
+
+GRAD_GEMMS = ("int8x3", "fp32")
+_DIGIT = 128.0  # 2^7: the weight of one digit relative to the next
+_SCALE_ALL = 16384.0  # 2^14: d0's weight relative to d2
+
+
+def check_grad_gemm(grad_gemm: str) -> str:
+    if grad_gemm not in GRAD_GEMMS:
+        raise ValueError(
+            f"grad_gemm={grad_gemm!r}: choose 'int8x3' (backward GEMMs on the int8 units, gradients split "
+            "into three int8 digits, ~21 bits) or 'fp32' (plain fp32 GEMMs)")
+    return grad_gemm
+
+
+def digits_pay(M: int, K: int, N: int) -> bool:
+    """Is grad_x (M, N) @ (N, K) faster as a digit GEMM than in fp32? (module docstring)"""
+    return N >= 512 and M * N * K >= 2**24
+
+
+def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    """a (R, C) fp32 times col_scale ((C,) or one value) -> three int8 digit planes, torch ops.
+
+    Returns (digits int8 (3, R, C), shift int32 (R,), digit row sums int32 (3, R) or None).
+    shift[r] = t with max_c |v[r, c]| * 2^t in [63.75, 127.5), v = a * col_scale in fp32. A row with
+    a NaN or an infinity gets shift INT32_MIN and zero digits (combine_digits writes NaN there).
+    """
+    v = a.to(torch.float32) * col_scale.detach().to(torch.float32).reshape(1, -1)  # one fp32 rounding
+    amax = v.abs().amax(dim=1).double() if v.shape[1] else v.new_zeros(v.shape[0], dtype=torch.float64)
+    finite = torch.isfinite(amax)
+    amax = torch.where(finite, amax, 0.0)
+    _, e = torch.frexp(amax)  # amax = f * 2^e, f in [0.5, 1)
+    t = 7 - e.to(torch.int32)
+    t = t - (amax * torch.exp2(t.double()) >= 127.5).to(torch.int32)
+    x = v.double() * torch.exp2(t.double()).unsqueeze(1)  # exact: a power of two
+    x = torch.where(finite.unsqueeze(1), x, 0.0)
+    d0 = torch.round(x)
+    r1 = (x - d0) * _DIGIT
+    d1 = torch.round(r1)
+    d2 = torch.round((r1 - d1) * _DIGIT)
+    digits = torch.stack([d0, d1, d2]).to(torch.int8)
+    shift = torch.where(finite, t, torch.iinfo(torch.int32).min)
+    rowsum = digits.sum(dim=2, dtype=torch.int32) if need_rowsum else None
+    return digits, shift, rowsum
+
+
+def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, mask: Tensor | None) -> Tensor:
+    """acc int32 (3R, K), the digit planes times codes q (C, K) -> (a @ (q - z)) fp32 (R, K), torch ops.
+
+    out[r, k] = float32(2^-(t + 14) * sum_j 2^(14 - 7j) * (acc_j[r, k] - z * rowsum_j[r])), exact
+    until the one rounding to fp32; NaN on rows the split flagged; where(mask, out, 0) if a mask is given.
+    """
+    R, K = acc.shape[0] // 3, acc.shape[1]
+    planes = acc.reshape(3, R, K).double()
+    if rowsum is not None and z:
+        planes = planes - float(z) * rowsum.double().unsqueeze(2)
+    total = planes[0] * _SCALE_ALL + planes[1] * _DIGIT + planes[2]
+    bad = shift == torch.iinfo(torch.int32).min
+    p = torch.exp2(-(torch.where(bad, 0, shift).double() + 14.0))
+    out = (total * p.unsqueeze(1)).to(torch.float32)
+    out = torch.where(bad.unsqueeze(1), float("nan"), out)
+    return out if mask is None else torch.where(mask, out, 0.0)
+
+
+def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor | None = None) -> Tensor:
+    """where(mask, (a * col_scale) @ (float(q) - z), 0) for a fp32 (R, C), q int8 (C, K): (R, K) fp32.
+
+    The product runs as one int8 GEMM over the three digit planes (module docstring). a may be a
+    transposed view (the fused kernel reads it in place). Contractions longer than MAX_K_INT32 take
+    the fp32 GEMM.
+    """
+    R, C = a.shape
+    K = q.shape[1]
+    if C > MAX_K_INT32:
+        out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
+        return out if mask is None else torch.where(mask, out, 0.0)
+    if R == 0 or K == 0 or C == 0:
+        out = a.new_zeros((R, K), dtype=torch.float32)
+        return out if mask is None else torch.where(mask, out, 0.0)
+    if cpu_kernels.usable(a, col_scale, q, mask) and q.is_contiguous():
+        digits = cpu_kernels.scratch("digits", (3, R, C), torch.int8)
+        digits, shift, rowsum = cpu_kernels.split_digits(a, col_scale, need_rowsum=bool(z), digits=digits)
+        acc = torch._int_mm(digits.view(3 * R, C), q, out=cpu_kernels.scratch("digit_acc", (3 * R, K), torch.int32))
+        return cpu_kernels.combine_digits(acc, shift, rowsum, z, mask)
+    digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=bool(z))
+    acc = int_mm(digits.reshape(3 * R, C), q)
+    return combine_digits(acc, shift, rowsum, z, mask)

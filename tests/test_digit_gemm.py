@@ -1,0 +1,185 @@
+"""The backward GEMM through int8 digits (intqat/ops/digit_gemm.py, kernels/cpu/fused.c).
+
+Fused C kernels and torch twin must agree bit for bit; the result must be the exact product of
+the digit-rounded operand, rounded once (error bound below); int_linear with grad_gemm="int8x3"
+must give the gradients of grad_gemm="fp32" within fp32-grade tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import intqat
+from intqat.config import resolve_config
+from intqat.ops import cpu_kernels, int_linear
+from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay, split_digits
+
+needs_fused = pytest.mark.skipif(not cpu_kernels.available(), reason="fused CPU kernels need a C compiler")
+
+
+def _operands(R, C, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # rows of very different magnitudes: each row gets its own power-of-two grid
+    a = torch.randn(R, C, generator=g) * torch.logspace(-6, 3, R).unsqueeze(1)
+    col_scale = torch.rand(C, generator=g) + 0.05
+    q = torch.randint(-128, 128, (C, K), dtype=torch.int8, generator=g)
+    return a, col_scale, q
+
+
+def _both(a, col_scale, q, z, mask):
+    fused = digit_matmul(a, col_scale, q, z, mask)
+    with cpu_kernels.disabled():
+        ref = digit_matmul(a, col_scale, q, z, mask)
+    return fused, ref
+
+
+def _exact(a, col_scale, q, z):
+    v = (a.float() * col_scale.float().reshape(1, -1)).double()  # the fp32 product both paths round once
+    return v @ (q.double() - z)
+
+
+@needs_fused
+@pytest.mark.parametrize("R,C,K", [(1, 1, 1), (7, 13, 5), (33, 300, 17), (64, 512, 256)])
+@pytest.mark.parametrize("z", [0, 3, -17])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_kernels_equal_torch_twin(R, C, K, z, masked):
+    a, s, q = _operands(R, C, K)
+    mask = torch.rand(R, K, generator=torch.Generator().manual_seed(1)) > 0.3 if masked else None
+    fused, ref = _both(a, s, q, z, mask)
+    assert fused.dtype == torch.float32 and fused.shape == (R, K)
+    assert torch.equal(fused, ref)
+
+
+@needs_fused
+def test_strided_operands_read_in_place():
+    a, s, q = _operands(40, 64, 24)
+    at = a.t().contiguous().t()  # same values, column-major
+    expanded = torch.randn(1, 64).expand(40, 64)  # stride 0, as autograd hands out for sum().backward()
+    for operand in (at, expanded):
+        fused, ref = _both(operand, s, q, 0, None)
+        assert torch.equal(fused, ref)
+        assert torch.equal(fused, digit_matmul(operand.contiguous(), s, q, 0))
+    per_tensor = torch.tensor([0.37])  # one scale for every column (stride 0 in the kernel)
+    fused, ref = _both(a, per_tensor, q, 5, None)
+    assert torch.equal(fused, ref)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_error_bound_is_the_split_alone(fused):
+    """|y - exact| <= 2^-(t+15) * sum_c |q - z| (the split's residual) + half an fp32 ulp of exact."""
+    if fused and not cpu_kernels.available():
+        pytest.skip("fused CPU kernels need a C compiler")
+    a, s, q = _operands(48, 700, 40, seed=3)
+    z = 7
+    ctx = cpu_kernels.disabled() if not fused else torch.no_grad()
+    with ctx:
+        y = digit_matmul(a, s, q, z)
+        _, shift, _ = split_digits(a, s, need_rowsum=False)
+    exact = _exact(a, s, q, z)
+    residual = torch.exp2(-(shift.double() + 15)).unsqueeze(1) * (q.double() - z).abs().sum(0).unsqueeze(0)
+    bound = residual + exact.abs() * 2.0**-24
+    assert ((y.double() - exact).abs() <= bound).all()
+    # and it is fp32-grade: relative error of the whole product well under 1e-5
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 2e-6
+
+
+def test_exactly_representable_operand_gives_the_correctly_rounded_product():
+    # integers of at most 7 bits times powers of two: the split is exact, only the final rounding remains
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(-127, 128, (16, 96), generator=g).float() * torch.exp2(torch.randint(-9, 9, (16, 1), generator=g).float())
+    q = torch.randint(-128, 128, (96, 24), dtype=torch.int8, generator=g)
+    one = torch.ones(96)
+    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+        with ctx:
+            y = digit_matmul(a, one, q, -3)
+        assert torch.equal(y, (a.double() @ (q.double() + 3)).float())
+
+
+def test_nonfinite_rows_give_nan_and_zero_rows_zero():
+    a, s, q = _operands(6, 32, 8)
+    a[1, 3] = float("nan")
+    a[2, 0] = float("inf")
+    a[3] = 0.0
+    mask = torch.ones(6, 8, dtype=torch.bool)
+    mask[1, :4] = False
+    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+        with ctx:
+            y = digit_matmul(a, s, q, 2, mask)
+        assert y[1, :4].eq(0).all() and y[1, 4:].isnan().all()  # the clip mask still zeroes
+        assert y[2].isnan().all()
+        assert y[3].eq(0).all()
+        assert torch.isfinite(y[[0, 4, 5]]).all()
+
+
+def test_extreme_magnitudes_keep_their_grid():
+    # tiny (subnormal-adjacent) and huge rows: the power-of-two grid follows each row
+    a = torch.tensor([[1e-38, -3e-39, 2e-38], [3e38, -1e38, 2e38]])
+    q = torch.tensor([[1], [1], [1]], dtype=torch.int8)
+    exact = _exact(a, torch.ones(3), q, 0).float()
+    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+        with ctx:
+            y = digit_matmul(a, torch.ones(3), q, 0)
+        torch.testing.assert_close(y[0], exact[0], rtol=1e-6, atol=0)
+        assert torch.isinf(y[1, 0]) == torch.isinf(exact[1, 0])  # 4e38 overflows fp32 in both
+
+
+def test_empty_and_too_long_contractions():
+    assert digit_matmul(torch.randn(3, 0), torch.ones(0), torch.empty(0, 4, dtype=torch.int8), 0).eq(0).all()
+    assert digit_matmul(torch.randn(0, 5), torch.ones(5), torch.ones(5, 4, dtype=torch.int8), 0).shape == (0, 4)
+    # C > MAX_K_INT32: int32 digit sums could overflow, the fp32 GEMM takes over
+    C = intqat.ops.MAX_K_INT32 + 1
+    a = torch.randn(2, C)
+    q = torch.randint(-128, 128, (C, 3), dtype=torch.int8)
+    y = digit_matmul(a, torch.ones(C), q, 0)
+    exact = _exact(a, torch.ones(C), q, 0)
+    assert ((y.double() - exact).norm() / exact.norm()).item() < 1e-5
+
+
+def _linear_grads(grad_gemm, M, K, N, dynamic, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).requires_grad_()
+    W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
+    b = torch.randn(N, generator=g).requires_grad_()
+    s_x = torch.tensor([x.detach().abs().max().item() / 127 * 0.6])  # some activations clip
+    z_x = torch.tensor([4.0])
+    y = int_linear(x, W, b, s_x, z_x, None, x_dynamic=dynamic, grad_gemm=grad_gemm)
+    y.backward(torch.randn(M, N, generator=g))
+    return y.detach(), x.grad, W.grad, b.grad
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_int_linear_digit_backward_matches_fp32_backward(dynamic):
+    M, K, N = 64, 384, 1024
+    assert digits_pay(M, K, N)
+    y8, gx8, gw8, gb8 = _linear_grads("int8x3", M, K, N, dynamic)
+    y32, gx32, gw32, gb32 = _linear_grads("fp32", M, K, N, dynamic)
+    assert torch.equal(y8, y32)  # the forward is the same integer arithmetic
+    assert torch.equal(gw8, gw32) and torch.equal(gb8, gb32)  # grad_w, grad_b stay fp32 GEMMs
+    assert not torch.equal(gx8, gx32)  # grad_x really took the digit GEMM ...
+    assert ((gx8 - gx32).norm() / gx32.norm()).item() < 1e-5  # ... and agrees to fp32 grade
+    assert torch.equal(gx8 == 0, gx32 == 0)  # the same STE clip mask
+
+
+def test_small_layers_keep_fp32_gemms():
+    assert not digits_pay(64, 128, 128)
+    for a, b in zip(_linear_grads("int8x3", 64, 128, 128, False), _linear_grads("fp32", 64, 128, 128, False)):
+        assert torch.equal(a, b)
+
+
+def test_grad_gemm_is_validated_and_configurable():
+    with pytest.raises(ValueError, match="grad_gemm='bf16'.*int8x3.*fp32"):
+        check_grad_gemm("bf16")
+    with pytest.raises(ValueError, match="grad_gemm"):
+        int_linear(torch.randn(2, 3), torch.randn(4, 3), None, torch.ones(1), torch.zeros(1), None, grad_gemm="tf32")
+    with pytest.raises(ValueError, match=r"QuantConfig\(grad_gemm='x'"):
+        intqat.QuantConfig(grad_gemm="x")
+    assert resolve_config({"preset": "w8a8_dynamic", "grad_gemm": "fp32"}).grad_gemm == "fp32"
+    assert resolve_config("w8a8").grad_gemm == "int8x3"
+    # the choice travels from the config through prepare_qat and to_integer to the integer layer
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    intqat.prepare_qat(model, resolve_config({"grad_gemm": "fp32"}))
+    intqat.calibrate(model, [torch.randn(16, 8)])
+    intqat.to_integer(model)
+    assert [m.grad_gemm for m in model if isinstance(m, intqat.nn.IntLinear)] == ["fp32", "fp32"]
+    assert "grad_gemm=fp32" in repr(model)
