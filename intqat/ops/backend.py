@@ -25,3 +25,9 @@ def backend_for(t: torch.Tensor) -> str:
     if choice == "torch":
         return "torch"
     return "triton" if t.is_cuda else "torch"
+
+
+def cpu_is_torch() -> bool:
+    """True unless INTQAT_BACKEND sends CPU tensors to the Triton interpreter (a cheap test for hot paths)."""
+    choice = os.environ.get("INTQAT_BACKEND")
+    return choice is None or choice.lower() in ("auto", "torch")  # anything else: backend_for decides / rejects
