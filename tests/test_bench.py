@@ -17,7 +17,8 @@ HAVE_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 OPS_ROWS = [
     "torch._int_mm [anchor]", "intqat int_mm", "torch._int_mm, B = Wᵀ view", "intqat int_mm, B = Wᵀ view", "fp32 torch.mm",
-    "nn.Linear fp32 [anchor]", "intqat int_linear static w8a8", "intqat int_linear dynamic per-token",
+    "nn.Linear fp32 [anchor]", "intqat int_linear static w8a8", "intqat int_linear static, grad_gemm=fp32",
+    "intqat int_linear dynamic per-token",
     "intqat IntLinear w8a8", "intqat FakeQuantLinear w8a8", "torchao FakeQuantizedLinear",
     "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86",
 ]

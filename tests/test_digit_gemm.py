@@ -205,3 +205,23 @@ def test_compiled_backward_traces_the_torch_twin_bit_for_bit():
     grads_eager = torch.autograd.grad(step(x, W, b), [x, W, b])
     for c, e in zip(grads_compiled, grads_eager):
         assert torch.equal(c, e)
+
+
+def test_lsq_scale_gradients_with_the_digit_gemm():
+    # learned activation scale / zero point: their LSQ terms read grad_xhat before the clip mask
+    M, K, N = 64, 256, 1024
+    assert digits_pay(M, K, N)
+    grads = {}
+    for grad_gemm in ("int8x3", "fp32"):
+        g = torch.Generator().manual_seed(6)
+        x = torch.randn(M, K, generator=g).requires_grad_()
+        W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
+        s_x = torch.tensor([0.015], requires_grad=True)  # clips part of x
+        z_x = torch.tensor([2.0], requires_grad=True)
+        s_w = (W.detach().abs().amax(dim=1) / 127 * 0.9).requires_grad_()  # clips part of W
+        y = int_linear(x, W, None, s_x, z_x, s_w, grad_gemm=grad_gemm)
+        y.backward(torch.randn(M, N, generator=g))
+        grads[grad_gemm] = (x.grad, W.grad, s_x.grad, z_x.grad, s_w.grad)
+    for a, b in zip(grads["int8x3"], grads["fp32"]):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    assert torch.equal(grads["int8x3"][0] == 0, grads["fp32"][0] == 0)

@@ -78,11 +78,15 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     x_zp = x_zp.to(torch.float32)
     a_spec = w8a8.activation
 
-    def static(xx, lin=lin, wq=wq):
+    def static(xx, lin=lin, wq=wq, grad_gemm="int8x3"):
         return int_linear(xx, lin.weight, lin.bias, x_scale, x_zp, None,
-                          x_qmin=a_spec.qmin, x_qmax=a_spec.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax)
+                          x_qmin=a_spec.qmin, x_qmax=a_spec.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, grad_gemm=grad_gemm)
 
     cands["intqat int_linear static w8a8"] = LinearCandidate("intqat int_linear static w8a8", static, list(lin.parameters()))
+    # the same layer with both backward GEMMs in fp32 (QuantConfig(grad_gemm="fp32")): what the digit GEMM buys
+    lin = fresh()
+    name = "intqat int_linear static, grad_gemm=fp32"
+    cands[name] = LinearCandidate(name, lambda xx, lin=lin, wq=wq: static(xx, lin, wq, "fp32"), list(lin.parameters()))
 
     dyn = PRESETS["w8a8_dynamic"]
     lin = fresh()
@@ -196,7 +200,8 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
     t.group(f"linear forward+backward, x ({M}x{K}) requires grad, W ({N}x{K}) + bias; anchor {ANCHOR_LINEAR}")
     ops_lin = 3 * 2 * M * K * N  # y, grad_x, grad_w
     mem_anchor = saved.get(MEM_ANCHOR)
-    order = [ANCHOR_LINEAR, "intqat int_linear static w8a8", "intqat int_linear dynamic per-token",
+    order = [ANCHOR_LINEAR, "intqat int_linear static w8a8", "intqat int_linear static, grad_gemm=fp32",
+             "intqat int_linear dynamic per-token",
              "intqat IntLinear w8a8", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
              "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86"]
     marks = {}
@@ -223,6 +228,8 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "excluded); lower is better.",
         "int_linear rows: the functional op with w_scale=None, i.e. min-max per-channel weight scales computed inside "
         "the op at each call (as IntLinear does); static = per-tensor asymmetric x_scale/zero point fixed from x. "
+        "grad_x runs as the int8 digit GEMM (grad_gemm='int8x3', the default), grad_w as an fp32 GEMM; the "
+        "grad_gemm=fp32 row keeps both backward GEMMs in fp32. "
         "IntLinear / FakeQuantLinear: the modules, activation observer on. intqat rows use the fused CPU kernels "
         "when they are built (see the machine line).",
         "torchao FakeQuantizedLinear: int8 per-token activations (asymmetric: torchao 0.18 rejects symmetric "

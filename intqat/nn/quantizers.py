@@ -77,7 +77,7 @@ class ActivationQuantizer(nn.Module):
             p = self.spec.percentile / 100.0
             lo, hi = torch.quantile(flat, torch.tensor([1.0 - p, p], device=flat.device)).split(1)
         else:
-            lo, hi = x.min().reshape(1), x.max().reshape(1)
+            lo, hi = (v.reshape(1) for v in torch.aminmax(x))  # one pass over x, not two
         lo = _all_reduce_(lo.clone(), dist.ReduceOp.MIN)
         hi = _all_reduce_(hi.clone(), dist.ReduceOp.MAX)
         if not self._initialized or self.spec.observer == "minmax":
