@@ -40,7 +40,8 @@ def _exact(a, col_scale, q, z):
 
 
 @needs_fused
-@pytest.mark.parametrize("R,C,K", [(1, 1, 1), (7, 13, 5), (33, 300, 17), (64, 512, 256)])
+# shapes from one element to a few hundred per dimension
+@pytest.mark.parametrize("R,C,K", [(1, 1, 1), (7, 13, 5), (33, 300, 17), (64, 512, 256), (600, 70, 300), (1100, 40, 129)])
 @pytest.mark.parametrize("z", [0, 3, -17])
 @pytest.mark.parametrize("masked", [False, True])
 def test_fused_kernels_equal_torch_twin(R, C, K, z, masked):
@@ -52,14 +53,17 @@ def test_fused_kernels_equal_torch_twin(R, C, K, z, masked):
 
 
 @needs_fused
-def test_strided_operands_read_in_place():
-    a, s, q = _operands(40, 64, 24)
+@pytest.mark.parametrize("R,C,K", [(40, 64, 24), (700, 33, 257)])
+def test_strided_operands_read_in_place(R, C, K):
+    a, s, q = _operands(R, C, K)
     at = a.t().contiguous().t()  # same values, column-major
-    expanded = torch.randn(1, 64).expand(40, 64)  # stride 0, as autograd hands out for sum().backward()
+    expanded = torch.randn(1, C).expand(R, C)  # stride 0, as autograd hands out for sum().backward()
+    mask = torch.rand(R, K, generator=torch.Generator().manual_seed(2)) > 0.2
     for operand in (at, expanded):
-        fused, ref = _both(operand, s, q, 0, None)
-        assert torch.equal(fused, ref)
-        assert torch.equal(fused, digit_matmul(operand.contiguous(), s, q, 0))
+        for z, m in ((0, None), (3, mask)):
+            fused, ref = _both(operand, s, q, z, m)
+            assert torch.equal(fused, ref)
+            assert torch.equal(fused, digit_matmul(operand.contiguous(), s, q, z, m))
     per_tensor = torch.tensor([0.37])  # one scale for every column (stride 0 in the kernel)
     fused, ref = _both(a, per_tensor, q, 5, None)
     assert torch.equal(fused, ref)
@@ -103,9 +107,10 @@ def test_nonfinite_rows_give_nan_and_zero_rows_zero():
     a[3] = 0.0
     mask = torch.ones(6, 8, dtype=torch.bool)
     mask[1, :4] = False
-    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+    column_major = a.t().contiguous().t()  # gᵀ of a contiguous g, as in the grad_w GEMM
+    for ctx, operand in ((torch.no_grad(), a), (torch.no_grad(), column_major), (cpu_kernels.disabled(), a)):
         with ctx:
-            y = digit_matmul(a, s, q, 2, mask)
+            y = digit_matmul(operand, s, q, 2, mask)
         assert y[1, :4].eq(0).all() and y[1, 4:].isnan().all()  # the clip mask still zeroes
         assert y[2].isnan().all()
         assert y[3].eq(0).all()
