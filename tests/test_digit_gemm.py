@@ -13,9 +13,17 @@ import torch
 import intqat
 from intqat.config import resolve_config
 from intqat.ops import cpu_kernels, int_linear
+from intqat.ops import digit_gemm
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay, split_digits
 
 needs_fused = pytest.mark.skipif(not cpu_kernels.available(), reason="fused CPU kernels need a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def int8_dot_units(monkeypatch):
+    """The digit path runs on any CPU; int_linear takes it only where int8 dot-product units make it
+    pay. Pretend they are there, so these tests check the same paths on every machine."""
+    monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: True)
 
 
 def _operands(R, C, K, seed=0):
@@ -166,8 +174,11 @@ def test_int_linear_digit_backward_matches_fp32_backward(dynamic):
     assert torch.equal(gx8 == 0, gx32 == 0)  # the same STE clip mask
 
 
-def test_small_layers_keep_fp32_gemms():
+def test_small_layers_and_cpus_without_int8_dot_units_keep_fp32_gemms(monkeypatch):
     assert not digits_pay(64, 128, 128)
+    monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: False)
+    assert not digits_pay(256, 1024, 1024)
+    monkeypatch.undo()
     for a, b in zip(_linear_grads("int8x3", 64, 128, 128, False), _linear_grads("fp32", 64, 128, 128, False)):
         assert torch.equal(a, b)
 

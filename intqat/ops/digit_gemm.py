@@ -18,8 +18,8 @@ to fp32. The only approximation is the split: each element of a row keeps 21 bit
 row's largest element (relative error <= 2^-15 / 63.75 ~= 4.8e-7 of that element), against fp32's
 24 bits per element and an fp32 GEMM's own accumulation rounding. A bf16 backward keeps 8.
 
-Where it pays (measured on this 2-core AMX CPU, `digits_pay`): grad_x of int_linear, when the
-contraction N >= 512 and M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or
+Where it pays (measured on this 2-core AMX CPU, `digits_pay`): grad_x of int_linear, on a CPU with
+int8 dot-product units (AMX / VNNI / Arm dot product), when the contraction N >= 512 and M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or
 narrower GEMMs spend more on the split than they save). Not grad_w: its contraction is the batch
 (M ~ 256), where the three-plane int8 GEMM, with its 3x larger int32 output, is no faster than
 fp32 here. `grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of
@@ -30,6 +30,8 @@ tests/test_digit_gemm.py checks both and the error bound.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -52,9 +54,27 @@ def check_grad_gemm(grad_gemm: str) -> str:
     return grad_gemm
 
 
+# CPU features that run int8 dot products natively (x86: AMX, AVX512-VNNI, AVX-VNNI; Arm: SDOT,
+# I8MM). Without them torch._int_mm is no faster than an fp32 GEMM and three planes of it lose.
+_INT8_DOT_FLAGS = {"amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_int8_dot() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return bool(_INT8_DOT_FLAGS & set(value.split()))
+    except OSError:
+        pass
+    return False
+
+
 def digits_pay(M: int, K: int, N: int) -> bool:
     """Is grad_x (M, N) @ (N, K) faster as a digit GEMM than in fp32? (module docstring)"""
-    return N >= 512 and M * N * K >= 2**24
+    return N >= 512 and M * N * K >= 2**24 and cpu_has_int8_dot()
 
 
 def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
