@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from intqat.config import QuantSpec
 from intqat.nn.fake_quantize import fake_quantize_ste
 from intqat.ops.int_linear import minmax_weight_scale
-from intqat.ops.qparams import SCALE_EPS, _scale_zero_point, row_absmax
+from intqat.ops.qparams import SCALE_EPS, _f32, _scale_zero_point, row_absmax, scale_zero_point_scalar
 
 __all__ = ["ActivationQuantizer", "WeightQuantizer"]
 
@@ -70,6 +70,8 @@ class ActivationQuantizer(nn.Module):
         if self.dynamic or x.numel() == 0:
             return
         x = x.detach().to(torch.float32)
+        if self._observe_scalar(x):
+            return
         if self.spec.observer == "percentile":
             flat = x.reshape(-1)
             if flat.numel() > 1 << 20:  # torch.quantile's input limit; a strided sample is plenty
@@ -93,6 +95,39 @@ class ActivationQuantizer(nn.Module):
         scale, zero_point = _scale_zero_point(self.min_val, self.max_val, self.qmin, self.qmax, self.spec.symmetric)
         self.scale.data.copy_(scale)
         self.zero_point.data.copy_(zero_point.to(torch.float32))
+
+    def _observe_scalar(self, x: Tensor) -> bool:
+        """`observe` for the common case (CPU, eager, one process, min-max or moving average) in
+        Python floats: the same float32 steps as the tensor code below, so the same bits, at a
+        fraction of the cost (it runs at every training step: ~25 tiny tensor ops otherwise).
+        Returns False, having changed nothing, when the tensor path must run."""
+        if (self.spec.observer == "percentile" or type(x) is not Tensor or x.device.type != "cpu"
+                or self.min_val.device.type != "cpu" or torch.compiler.is_compiling()
+                or torch.compiler.is_exporting() or (dist.is_available() and dist.is_initialized())):
+            return False
+        lo, hi = (float(v) for v in torch.aminmax(x))
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return False  # NaN / inf: the tensor path propagates them as torch does
+        if not self._initialized:
+            new_lo, new_hi = lo, hi
+        elif self.spec.observer == "minmax":
+            new_lo, new_hi = min(float(self.min_val), lo), max(float(self.max_val), hi)
+        else:  # moving average: min_val += c * (lo - min_val), each step rounded to float32
+            c = _f32(self.spec.averaging_constant)
+            old_lo, old_hi = float(self.min_val), float(self.max_val)
+            new_lo = _f32(old_lo + _f32(c * _f32(lo - old_lo)))
+            new_hi = _f32(old_hi + _f32(c * _f32(hi - old_hi)))
+        if not (math.isfinite(new_lo) and math.isfinite(new_hi)):
+            return False  # a state that already holds NaN / inf (loaded, or from the tensor path)
+        scale, zero_point = scale_zero_point_scalar(new_lo, new_hi, self.qmin, self.qmax, self.spec.symmetric)
+        self.min_val.fill_(new_lo)
+        self.max_val.fill_(new_hi)
+        self.scale.data.fill_(scale)
+        self.zero_point.data.fill_(float(zero_point))
+        if not self._initialized:
+            self.initialized.fill_(True)
+            self._initialized = True
+        return True
 
     @torch.no_grad()
     def set_qparams(self, scale: Tensor | float, zero_point: Tensor | float, freeze: bool = True) -> None:

@@ -175,16 +175,18 @@ def usable(*tensors: Tensor | None) -> bool:
     """Can the fused kernels take these tensors? Plain, real CPU tensors, and nothing is watching
     the aten calls: no compile / export, no dispatch mode (make_fx, FlopCounterMode), no functorch
     transform (vmap's batched tensors look like plain ones). Those see the torch path instead."""
-    if _disabled_depth or torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+    # cheapest tests first: this runs several times per layer and step
+    if _disabled_depth or (_lib is None and (_load_tried or _load() is None)):
         return False
     for t in tensors:
-        if t is not None and (type(t) not in (Tensor, torch.nn.Parameter) or t.device.type != "cpu"):
+        if t is not None and ((type(t) is not Tensor and type(t) is not _Parameter) or not t.is_cpu):
             return False
-    return available()
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    return not torch._C._are_functorch_transforms_active() and _python_dispatch._get_current_dispatch_mode() is None
 
 
+_Parameter = torch.nn.Parameter
 _scratch = threading.local()
 
 
@@ -208,8 +210,13 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _f32(t: Tensor) -> Tensor:
+    """t as a contiguous fp32 tensor, without a call into torch when it already is one."""
+    return t if (t.dtype is torch.float32 and t.is_contiguous()) else t.detach().to(torch.float32).contiguous()
+
+
 def _float_rows(x: Tensor, rows_along: int | None) -> tuple[Tensor, int, int]:
-    x = x.detach().to(torch.float32).contiguous()
+    x = _f32(x)
     rows = x.shape[0] if rows_along == 0 else max(1, x.numel() // max(1, x.shape[-1] if x.dim() else 1))
     cols = x.numel() // rows if rows else 0
     return x, rows, cols
@@ -224,7 +231,7 @@ def quantize_rows(
     per_row: scale has one value per x.shape[0] row (per output channel); else one value for all.
     """
     x, rows, cols = _float_rows(x, 0 if (per_row or need_rowsum) else None)
-    s = scale.detach().to(torch.float32).contiguous()
+    s = _f32(scale)
     out = torch.empty(x.shape, dtype=torch.int8)
     mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
     rowsum = torch.empty(rows, dtype=torch.int32) if need_rowsum else None
@@ -241,7 +248,7 @@ def fake_quantize_rows(
 ) -> tuple[Tensor, Tensor | None]:
     """x float (rows, ...) -> (x_hat fp32 like x, clip mask bool like x or None), as quantize_rows."""
     x, rows, cols = _float_rows(x, 0 if per_row else None)
-    s = scale.detach().to(torch.float32).contiguous()
+    s = _f32(scale)
     out = torch.empty(x.shape, dtype=torch.float32)
     mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
     if x.numel():
@@ -257,7 +264,7 @@ def quantize_rows_dynamic(
 
     s[m] = max(max|x[m]| / qmax, eps), z = 0: per-token activations, min-max per-channel weights.
     """
-    x = x.detach().to(torch.float32).contiguous()
+    x = _f32(x)
     M, K = x.shape
     out = torch.empty((M, K), dtype=torch.int8)
     scale = torch.empty((M, 1), dtype=torch.float32)
@@ -283,9 +290,9 @@ def epilogue(acc: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale:
     """acc (M, N) int32 -> float32(acc - z_x * colsum[n]) * (s_x[m] * s_w[n]) + b[n], (M, N) fp32."""
     acc = acc.contiguous()
     M, N = acc.shape
-    s_x = s_x.detach().to(torch.float32).contiguous()
-    s_w = w_scale.detach().to(torch.float32).contiguous()
-    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    s_x = _f32(s_x)
+    s_w = _f32(w_scale)
+    b = None if bias is None else _f32(bias)
     cs = None if colsum is None else colsum.to(torch.int32).contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     if acc.numel():
@@ -302,7 +309,7 @@ def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row:
     q = q.contiguous()
     rows = q.shape[0] if (per_row and q.dim()) else 1
     cols = q.numel() // rows if rows else 0
-    s = None if scale is None else scale.detach().to(torch.float32).contiguous()
+    s = None if scale is None else _f32(scale)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float32)
     if q.numel():
@@ -320,7 +327,7 @@ def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool,
     R, C = a.shape
     if a.dtype != torch.float32:
         a = a.to(torch.float32)
-    s = col_scale.detach().to(torch.float32).contiguous()
+    s = _f32(col_scale)
     if digits is None:
         digits = torch.empty((3, R, C), dtype=torch.int8)
     shift = torch.empty(R, dtype=torch.int32)

@@ -76,6 +76,10 @@ def quantize_activation(
         s_x = torch.clamp(row_absmax(x, keepdim=True) / qmax, min=SCALE_EPS)
         return quantize(x, s_x.reshape(-1), 0, qmin, qmax, axis=0), None, s_x
     s_x = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
+    if cpu_kernels.usable(x, s_x) and x.dim() == 2:  # straight to the fused pass (arguments already checked)
+        q_x, mask, _ = cpu_kernels.quantize_rows(x, s_x, float(z_x.reshape(())), qmin, qmax, per_row=False,
+                                                 need_mask=need_mask)
+        return q_x, mask, s_x
     if need_mask:
         q_x, mask = quantize_with_mask(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax)
         return q_x, mask, s_x

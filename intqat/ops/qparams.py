@@ -7,6 +7,8 @@ zero is exact and +/- saturate alike (int8: [-127, 127]); asymmetric codes use t
 
 from __future__ import annotations
 
+import struct
+
 from typing import Literal
 
 import torch
@@ -56,6 +58,26 @@ def _scale_zero_point(
     scale = torch.clamp((hi - lo) / (qmax - qmin), min=SCALE_EPS)
     zero_point = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax).to(torch.int32)
     return scale, zero_point
+
+
+_F32 = struct.Struct("f")
+
+
+def _f32(v: float) -> float:
+    """Round a Python float to float32. One +, -, * or / of two float32 values done in double and
+    rounded once to float32 is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits)."""
+    return _F32.unpack(_F32.pack(v))[0]
+
+
+def scale_zero_point_scalar(lo: float, hi: float, qmin: int, qmax: int, symmetric: bool) -> tuple[float, int]:
+    """`_scale_zero_point` for one finite range, in Python floats: the same float32 steps, the same
+    bits, without a dozen tiny tensor ops (an observer runs this at every training step)."""
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    if symmetric:
+        return max(_f32(max(-lo, hi) / _f32((qmax - qmin) / 2)), SCALE_EPS), 0
+    scale = max(_f32(_f32(hi - lo) / float(qmax - qmin)), SCALE_EPS)
+    zero_point = _f32(qmin - round(_f32(lo / scale)))  # round(): half to even, as torch.round
+    return scale, int(min(max(zero_point, qmin), qmax))
 
 
 def choose_qparams(

@@ -1,0 +1,92 @@
+"""Activation observers: the Python-float fast path equals the tensor path bit for bit, and both
+follow torch.ao's observers (same range update, same scale / zero-point rule)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from intqat.config import QuantSpec
+from intqat.nn.quantizers import ActivationQuantizer
+
+SPECS = {
+    "asym8 moving average": QuantSpec(bits=8, symmetric=False, granularity="tensor", observer="moving_average"),
+    "asym8 minmax": QuantSpec(bits=8, symmetric=False, granularity="tensor", observer="minmax"),
+    "sym8 moving average": QuantSpec(bits=8, symmetric=True, granularity="tensor", observer="moving_average",
+                                     averaging_constant=0.1),
+    "asym4 moving average": QuantSpec(bits=4, symmetric=False, granularity="tensor", observer="moving_average",
+                                      averaging_constant=0.3),
+}
+
+
+def _batches(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    yield torch.randn(64, 32, generator=g) * 3
+    yield torch.randn(64, 32, generator=g).relu()  # all >= 0: lo clamps to 0
+    yield -torch.rand(64, 32, generator=g)  # all <= 0
+    yield torch.zeros(64, 32)
+    yield torch.randn(64, 32, generator=g) * 1e-6
+    yield torch.randn(64, 32, generator=g) * 1e4
+    for _ in range(20):
+        yield torch.randn(64, 32, generator=g) * (1 + torch.rand((), generator=g) * 5) + torch.randn((), generator=g)
+
+
+def _state(q):
+    return [t.clone() for t in (q.min_val, q.max_val, q.scale.data, q.zero_point.data)]
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_fast_path_equals_tensor_path(name, monkeypatch):
+    fast, slow = ActivationQuantizer(SPECS[name]), ActivationQuantizer(SPECS[name])
+    taken = []
+    original = ActivationQuantizer._observe_scalar
+
+    def spy(self, x):
+        if self is slow:
+            return False
+        taken.append(original(self, x))
+        return taken[-1]
+
+    monkeypatch.setattr(ActivationQuantizer, "_observe_scalar", spy)
+    for x in _batches():
+        fast.observe(x)
+        slow.observe(x)
+        for a, b in zip(_state(fast), _state(slow)):
+            assert torch.equal(a, b), (name, a, b)
+    assert taken and all(taken)  # the fast path really ran
+
+
+@pytest.mark.parametrize("name", ["asym8 moving average", "asym8 minmax", "sym8 moving average"])
+def test_observers_follow_torch_ao(name):
+    from torch.ao.quantization.observer import MinMaxObserver, MovingAverageMinMaxObserver
+
+    spec = SPECS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kwargs = dict(dtype=torch.qint8, quant_min=spec.qmin, quant_max=spec.qmax,
+                      qscheme=torch.per_tensor_symmetric if spec.symmetric else torch.per_tensor_affine)
+        ref = (MinMaxObserver(**kwargs) if spec.observer == "minmax"
+               else MovingAverageMinMaxObserver(averaging_constant=spec.averaging_constant, **kwargs))
+    ours = ActivationQuantizer(spec)
+    for x in _batches(seed=1):
+        if not x.any():
+            continue  # an all-zero first range: torch.ao and intqat pick different placeholder scales
+        ours.observe(x)
+        ref(x)
+        scale, zero_point = ref.calculate_qparams()
+        assert torch.equal(ours.min_val, ref.min_val.reshape(1)) and torch.equal(ours.max_val, ref.max_val.reshape(1))
+        assert torch.equal(ours.scale.data, scale.reshape(1).float())
+        if not spec.symmetric:
+            assert torch.equal(ours.zero_point.data, zero_point.reshape(1).float())
+
+
+def test_nonfinite_batches_take_the_tensor_path():
+    q = ActivationQuantizer(SPECS["asym8 moving average"])
+    q.observe(torch.randn(8, 4))
+    assert q._observe_scalar(torch.tensor([[float("nan"), 1.0]])) is False
+    before = _state(q)
+    assert q._observe_scalar(torch.tensor([[float("inf"), 1.0]])) is False
+    for a, b in zip(before, _state(q)):
+        assert torch.equal(a, b)  # a refused call changes nothing
