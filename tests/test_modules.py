@@ -299,7 +299,7 @@ EXPORT_CONV = [("all", "w8a8"), ("same-dilation2", "w8a8_dynamic"), ("depthwise-
 # `self.to_deployed(...)`, whose DeployedIntConv2d.__init__ (intqat/nn/conv.py:175,
 # `self.pad_value = int(x_zero_point.reshape(-1)[0])`) calls .item() on a traced buffer:
 # torch.export raises GuardOnDataDependentSymNode. Suggested fix: in IntConv2d's eval branch call
-# conv_codes_forward directly with pad_value=None (the z_x tensor path of _pad_codes), or build
+# conv_codes_forward directly with pad_value=None (the z_x tensor path of _pad_codes_nhwc), or build
 # the DeployedIntConv2d with pad_value=None when torch.compiler.is_exporting().
 @pytest.mark.parametrize("case, cfg", EXPORT_CONV)
 def test_int_conv2d_export_roundtrip_equal(case, cfg, tmp_path):
@@ -872,7 +872,7 @@ def test_to_deployed_holds_int8_weights_only(cfg):
 # the zero point as a Python int, `self.pad_value` (intqat/nn/conv.py:175), used to pad the codes;
 # load_state_dict replaces the x_zero_point buffer but not pad_value, so the loaded model pads
 # with the old model's zero point and its border outputs are wrong. Suggested fix: drop the cache
-# (pad_value=None: the z tensor path of _pad_codes), or refresh it in _load_from_state_dict.
+# (pad_value=None: the z tensor path of _pad_codes_nhwc), or refresh it in _load_from_state_dict.
 # BUG (lead), in addition the "per_tensor_w" conv case: IntConv2d.to_deployed
 # (intqat/nn/conv.py:154, `w_scale.detach().reshape(-1).to(torch.float32)`) registers the expanded
 # per-tensor weight scale (stride 0, one element of storage) as the `w_scale` buffer, so
