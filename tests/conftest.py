@@ -2,12 +2,32 @@
 
 TRITON_INTERPRET must be set before triton is first imported: it lets the Triton kernels run on
 CPU tensors (the interpreter), which is how this suite checks them on a machine without a GPU.
+
+TORCHINDUCTOR_CACHE_DIR: one inductor cache per version of intqat's source. Inductor's on-disk
+cache does not key on a custom op's fake implementation, so a cache written before a change to
+intqat's ops (e.g. an output's memory format) hands back compiled code that asserts the old strides
+(seen here: "expected size 8==8, stride 1==256" from intqat::int_conv2d). Keyed on the source, a
+warm cache still speeds up repeated runs of the same code.
 """
 
+import hashlib
 import os
+import tempfile
+from pathlib import Path
+
+
+def _source_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted([*root.glob("intqat/**/*.py"), *root.glob("kernels/**/*.py"), *root.glob("kernels/**/*.c")]):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_intqat_{_source_digest()}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

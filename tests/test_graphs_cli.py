@@ -3,7 +3,7 @@
 The CLI runs in-process on the default recipe with a small MLP whose hidden layers are identical
 (model.hidden=[16,16,16]: features.3 and features.5 are both 16 -> 16 on the same batch), so
 deduplication must collapse them. trials=2: every stage pays one inductor compile (a warm
-inductor cache, /tmp/torchinductor_$USER, makes the second run of this file much faster).
+inductor cache, one per version of the source (tests/conftest.py), makes a second run much faster).
 """
 
 from __future__ import annotations

@@ -215,7 +215,17 @@ def _f32(t: Tensor) -> Tensor:
     return t if (t.dtype is torch.float32 and t.is_contiguous()) else t.detach().to(torch.float32).contiguous()
 
 
+def _dense(t: Tensor) -> bool:
+    """Contiguous, or channels_last (4-D): one block of memory an elementwise pass can walk in order."""
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
 def _float_rows(x: Tensor, rows_along: int | None) -> tuple[Tensor, int, int]:
+    if rows_along is None:  # one scale for all: any dense layout, walked in memory order
+        if x.dtype is not torch.float32:
+            x = x.detach().to(torch.float32)  # .to keeps a dense layout
+        if _dense(x):
+            return x, 1, x.numel()
     x = _f32(x)
     rows = x.shape[0] if rows_along == 0 else max(1, x.numel() // max(1, x.shape[-1] if x.dim() else 1))
     cols = x.numel() // rows if rows else 0
@@ -232,8 +242,8 @@ def quantize_rows(
     """
     x, rows, cols = _float_rows(x, 0 if (per_row or need_rowsum) else None)
     s = _f32(scale)
-    out = torch.empty(x.shape, dtype=torch.int8)
-    mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
+    out = torch.empty_like(x, dtype=torch.int8)  # x's layout (channels_last stays channels_last)
+    mask = torch.empty_like(x, dtype=torch.bool) if need_mask else None
     rowsum = torch.empty(rows, dtype=torch.int32) if need_rowsum else None
     if x.numel():
         _lib.intqat_quantize_rows(x.data_ptr(), rows, cols, s.data_ptr(), 1 if per_row else 0, float(zero_point),
@@ -249,8 +259,8 @@ def fake_quantize_rows(
     """x float (rows, ...) -> (x_hat fp32 like x, clip mask bool like x or None), as quantize_rows."""
     x, rows, cols = _float_rows(x, 0 if per_row else None)
     s = _f32(scale)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    mask = torch.empty(x.shape, dtype=torch.bool) if need_mask else None
+    out = torch.empty_like(x, dtype=torch.float32)
+    mask = torch.empty_like(x, dtype=torch.bool) if need_mask else None
     if x.numel():
         _lib.intqat_fake_quantize_rows(x.data_ptr(), rows, cols, s.data_ptr(), 1 if per_row else 0, float(zero_point),
                                        float(qmin), float(qmax), out.data_ptr(), _ptr(mask))
@@ -305,13 +315,15 @@ def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row:
                     out: Tensor | None = None) -> Tensor:
     """q int8 (rows, ...) -> (float(q) - z) * scale (per row or one value); scale None: float(q).
 
-    out: a contiguous fp32 tensor of q's shape to write into (e.g. a `scratch` buffer)."""
-    q = q.contiguous()
+    out: a contiguous fp32 tensor of q's shape to write into (e.g. a `scratch` buffer); without it the
+    result has q's layout (channels_last stays channels_last, with one scale)."""
+    if per_row or not _dense(q) or (out is not None and q.stride() != out.stride()):
+        q = q.contiguous()
     rows = q.shape[0] if (per_row and q.dim()) else 1
     cols = q.numel() // rows if rows else 0
     s = None if scale is None else _f32(scale)
     if out is None:
-        out = torch.empty(q.shape, dtype=torch.float32)
+        out = torch.empty_like(q, dtype=torch.float32)  # q's layout: memory order matches element for element
     if q.numel():
         _lib.intqat_dequantize_rows(q.data_ptr(), rows, cols, _ptr(s), 1 if per_row else 0, float(zero_point),
                                     out.data_ptr())

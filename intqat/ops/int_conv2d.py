@@ -82,7 +82,17 @@ def conv_codes_forward(
                              None if bias is None else bias[sl])
         )
     y = outs[0] if groups == 1 else torch.cat(outs, dim=1)
-    return y.reshape(B, Ho, Wo, O).permute(0, 3, 1, 2).contiguous()
+    # The (B*Ho*Wo, O) rows are NHWC pixels. Like nn.Conv2d, the output takes the input's memory
+    # format: for channels_last input that is these rows as they are (no copy, and the next integer
+    # conv reads its codes in place); for NCHW input, a transposing copy (code that calls .view() on
+    # a conv's output keeps working).
+    y = y.reshape(B, Ho, Wo, O).permute(0, 3, 1, 2)
+    return y if is_channels_last(q_x) else y.contiguous()
+
+
+def is_channels_last(t: Tensor) -> bool:
+    """Does t (4-D) live in channels_last memory format (and not also in the contiguous one)?"""
+    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def _quantize_input(x, x_scale, x_zero_point, qmin, qmax, dynamic, need_mask):
@@ -128,9 +138,10 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation
     Ho = conv_output_size(H, kh, stride[0], padding[0], dilation[0])
     Wo = conv_output_size(W, kw, stride[1], padding[1], dilation[1])
     return (
-        x.new_empty((B, O, Ho, Wo)),
-        x.new_empty(x.shape, dtype=torch.int8),
-        x.new_empty(x.shape if not x_dynamic else (0,), dtype=torch.bool),
+        torch.empty((B, O, Ho, Wo), dtype=torch.float32, device=x.device,
+                    memory_format=torch.channels_last if is_channels_last(x) else torch.contiguous_format),
+        torch.empty_like(x, dtype=torch.int8),  # codes and mask keep x's layout, as quantize does
+        torch.empty_like(x, dtype=torch.bool) if not x_dynamic else x.new_empty((0,), dtype=torch.bool),
         x.new_empty(weight.shape, dtype=torch.int8),
         x.new_empty(weight.shape if w_clip_mask else (0,), dtype=torch.bool),
         x.new_empty((1, 1)),
@@ -158,7 +169,7 @@ def _backward(ctx, g, *_unused):
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     sx_shape, zx_shape, sw_shape = ctx.shapes
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
-    g = g.to(torch.float32).contiguous()
+    g = g.to(torch.float32)  # any layout: convolution_backward takes channels_last as it comes
     ws = w_scale.detach().reshape(-1, 1, 1, 1).to(torch.float32)
     x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
     w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
