@@ -3,6 +3,7 @@
 Models (flat nn.Sequential, so torch.ao's eager fusion and intqat's Conv+BN folding both apply):
     MLP  in 1024 -> 1024 -> 1024 -> 1024 -> 10, ReLU between, batch 256
     CNN  3x32x32 -> 3 x (Conv3x3-BN-ReLU-MaxPool2) with 32/64/128 channels -> avgpool -> Linear 10, batch 64
+         (twice: NCHW, and model + batch in channels_last memory format)
 Step: zero_grad(set_to_none) -> forward -> cross-entropy -> backward -> Adam.step().
 
 Columns: step time (interleaved timer, intqat.bench.timing), peak memory (intqat.bench.memory),
@@ -53,16 +54,25 @@ class ModulesSettings:
                    repeats=2, warmup=0, calib_batches=1)
 
 
-def bench_models(s, g: torch.Generator, prefix: str = "") -> list[tuple[str, Any, torch.Tensor]]:
-    """(title, model factory, input batch) for the MLP and the CNN both module benches time."""
+def bench_models(s, g: torch.Generator, prefix: str = "",
+                 channels_last_cnn: bool = False) -> list[tuple[str, Any, torch.Tensor]]:
+    """(title, model factory, input batch) for the MLP and the CNN both module benches time;
+    channels_last_cnn adds the CNN again with model and batch in channels_last memory format (the
+    layout oneDNN's fp32 convs and intqat's integer convs both run fastest in on the CPU)."""
     widths = [s.mlp_in] + [s.mlp_width] * s.mlp_hidden + [s.classes]
-    return [
-        (f"{prefix}MLP {'-'.join(map(str, widths))}, batch {s.mlp_batch}", lambda: make_mlp(s),
-         torch.randn(s.mlp_batch, s.mlp_in, generator=g)),
-        (f"{prefix}CNN 3x{s.cnn_hw}x{s.cnn_hw}, 3 x conv3x3-BN-ReLU-maxpool {'/'.join(map(str, s.cnn_channels))} ch, "
-         f"linear head, batch {s.cnn_batch}", lambda: make_cnn(s),
-         torch.randn(s.cnn_batch, 3, s.cnn_hw, s.cnn_hw, generator=g)),
+    cnn_title = (f"{prefix}CNN 3x{s.cnn_hw}x{s.cnn_hw}, 3 x conv3x3-BN-ReLU-maxpool "
+                 f"{'/'.join(map(str, s.cnn_channels))} ch, linear head, batch {s.cnn_batch}")
+    mlp_x = torch.randn(s.mlp_batch, s.mlp_in, generator=g)  # drawn in this order: same batches as ever
+    cnn_x = torch.randn(s.cnn_batch, 3, s.cnn_hw, s.cnn_hw, generator=g)
+    models = [
+        (f"{prefix}MLP {'-'.join(map(str, widths))}, batch {s.mlp_batch}", lambda: make_mlp(s), mlp_x),
+        (cnn_title, lambda: make_cnn(s), cnn_x),
     ]
+    if channels_last_cnn:
+        cl = torch.channels_last
+        models.append((f"{cnn_title}, channels_last", lambda: make_cnn(s).to(memory_format=cl),
+                       cnn_x.to(memory_format=cl)))
+    return models
 
 
 def make_mlp(s: ModulesSettings) -> nn.Sequential:
@@ -239,7 +249,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         ],
         columns=cols,
     )
-    models = bench_models(s, g)
+    models = bench_models(s, g, channels_last_cnn=True)
     na_marks: dict[str, str] = {}
 
     def mark(reason: str) -> str:
