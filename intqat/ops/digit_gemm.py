@@ -14,13 +14,15 @@ for exact matrix products, Ozaki et al. 2012, cut at three digits):
 Each d_j @ q is an exact int8 GEMM (`torch._int_mm`, the three planes stacked into one call), the
 weighted sum is an integer below 2^53 (exact in double), and the final scaling by a power of two is
 exact: the result is the exact product of the digit-rounded gradient with the codes, rounded once
-to fp32. The only approximation is the split: each element of a row keeps 21 bits below the
-row's largest element (relative error <= 2^-15 / 63.75 ~= 4.8e-7 of that element), against fp32's
-24 bits per element and an fp32 GEMM's own accumulation rounding. A bf16 backward keeps 8.
+to fp32. The only approximation is the split: each element of a row is kept to 21 bits below the
+row's largest element (absolute error <= 2^-15 grid steps, i.e. <= 4.8e-7 of the row's largest
+magnitude), against fp32's 24 bits per element and an fp32 GEMM's own accumulation rounding. A
+bf16 backward keeps 8 bits per element.
 
 Where it pays (measured on this 2-core AMX CPU, `digits_pay`): grad_x of int_linear, on a CPU with
-int8 dot-product units (AMX / VNNI / Arm dot product), when the contraction N >= 512 and M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or
-narrower GEMMs spend more on the split than they save). Not grad_w: its contraction is the batch
+int8 dot-product units (AMX / VNNI / Arm dot product), when the contraction N >= 512 and
+M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or narrower GEMMs spend more on
+the split than they save). Not grad_w: its contraction is the batch
 (M ~ 256), where the three-plane int8 GEMM, with its 3x larger int32 output, is no faster than
 fp32 here. `grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of
 NUMERICS.md. Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
