@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from intqat.ops import cpu_kernels
+from intqat.ops.backend import cpu_info
 
 __all__ = ["Timing", "time_interleaved", "speed_ratio", "machine_info", "machine_lines"]
 
@@ -89,25 +90,9 @@ def speed_ratio(anchor: Timing, candidate: Timing) -> float:
     return statistics.median(a / c for a, c in zip(anchor.times, candidate.times))
 
 
-def _cpu_model_and_flags() -> tuple[str, set[str]]:
-    model, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model is None:
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        pass
-    return model or platform.processor() or "unknown CPU", flags
-
-
 def machine_info() -> dict:
     """What the numbers were measured on (goes into every table header and JSON file)."""
-    model, flags = _cpu_model_and_flags()
+    model, flags = cpu_info()
     try:
         import importlib.metadata as md
 

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 
 import torch
 
@@ -31,3 +33,21 @@ def cpu_is_torch() -> bool:
     """True unless INTQAT_BACKEND sends CPU tensors to the Triton interpreter (a cheap test for hot paths)."""
     choice = os.environ.get("INTQAT_BACKEND")
     return choice is None or choice.lower() in ("auto", "torch")  # anything else: backend_for decides / rejects
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) from /proc/cpuinfo (x86 "flags", Arm "Features"); read once."""
+    model, flags = None, frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and model is None:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or "unknown CPU", flags

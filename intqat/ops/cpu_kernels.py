@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.utils import _python_dispatch
 
+from intqat.ops.backend import cpu_info
+
 __all__ = [
     "available",
     "disabled",
@@ -87,13 +89,8 @@ def _source() -> Path:
 
 def _cpu_id() -> str:
     # -march=native code is only valid on the CPU it was built for: key the cache on it.
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    model, flags = cpu_info()
+    return model + " " + " ".join(sorted(flags))
 
 
 def _flag_sets() -> list[list[str]]:
@@ -210,7 +207,7 @@ def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _f32(t: Tensor) -> Tensor:
+def _fp32_contiguous(t: Tensor) -> Tensor:
     """t as a contiguous fp32 tensor, without a call into torch when it already is one."""
     return t if (t.dtype is torch.float32 and t.is_contiguous()) else t.detach().to(torch.float32).contiguous()
 
@@ -226,7 +223,7 @@ def _float_rows(x: Tensor, rows_along: int | None) -> tuple[Tensor, int, int]:
             x = x.detach().to(torch.float32)  # .to keeps a dense layout
         if _dense(x):
             return x, 1, x.numel()
-    x = _f32(x)
+    x = _fp32_contiguous(x)
     rows = x.shape[0] if rows_along == 0 else max(1, x.numel() // max(1, x.shape[-1] if x.dim() else 1))
     cols = x.numel() // rows if rows else 0
     return x, rows, cols
@@ -241,7 +238,7 @@ def quantize_rows(
     per_row: scale has one value per x.shape[0] row (per output channel); else one value for all.
     """
     x, rows, cols = _float_rows(x, 0 if (per_row or need_rowsum) else None)
-    s = _f32(scale)
+    s = _fp32_contiguous(scale)
     out = torch.empty_like(x, dtype=torch.int8)  # x's layout (channels_last stays channels_last)
     mask = torch.empty_like(x, dtype=torch.bool) if need_mask else None
     rowsum = torch.empty(rows, dtype=torch.int32) if need_rowsum else None
@@ -258,7 +255,7 @@ def fake_quantize_rows(
 ) -> tuple[Tensor, Tensor | None]:
     """x float (rows, ...) -> (x_hat fp32 like x, clip mask bool like x or None), as quantize_rows."""
     x, rows, cols = _float_rows(x, 0 if per_row else None)
-    s = _f32(scale)
+    s = _fp32_contiguous(scale)
     out = torch.empty_like(x, dtype=torch.float32)
     mask = torch.empty_like(x, dtype=torch.bool) if need_mask else None
     if x.numel():
@@ -274,7 +271,7 @@ def quantize_rows_dynamic(
 
     s[m] = max(max|x[m]| / qmax, eps), z = 0: per-token activations, min-max per-channel weights.
     """
-    x = _f32(x)
+    x = _fp32_contiguous(x)
     M, K = x.shape
     out = torch.empty((M, K), dtype=torch.int8)
     scale = torch.empty((M, 1), dtype=torch.float32)
@@ -300,9 +297,9 @@ def epilogue(acc: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale:
     """acc (M, N) int32 -> float32(acc - z_x * colsum[n]) * (s_x[m] * s_w[n]) + b[n], (M, N) fp32."""
     acc = acc.contiguous()
     M, N = acc.shape
-    s_x = _f32(s_x)
-    s_w = _f32(w_scale)
-    b = None if bias is None else _f32(bias)
+    s_x = _fp32_contiguous(s_x)
+    s_w = _fp32_contiguous(w_scale)
+    b = None if bias is None else _fp32_contiguous(bias)
     cs = None if colsum is None else colsum.to(torch.int32).contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     if acc.numel():
@@ -321,7 +318,7 @@ def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row:
         q = q.contiguous()
     rows = q.shape[0] if (per_row and q.dim()) else 1
     cols = q.numel() // rows if rows else 0
-    s = None if scale is None else _f32(scale)
+    s = None if scale is None else _fp32_contiguous(scale)
     if out is None:
         out = torch.empty_like(q, dtype=torch.float32)  # q's layout: memory order matches element for element
     if q.numel():
@@ -339,7 +336,7 @@ def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool,
     R, C = a.shape
     if a.dtype != torch.float32:
         a = a.to(torch.float32)
-    s = _f32(col_scale)
+    s = _fp32_contiguous(col_scale)
     if digits is None:
         digits = torch.empty((3, R, C), dtype=torch.int8)
     shift = torch.empty(R, dtype=torch.int32)

@@ -33,12 +33,11 @@ tests/test_digit_gemm.py checks both and the error bound.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from intqat.ops import cpu_kernels
+from intqat.ops.backend import cpu_info
 from intqat.ops.int_mm import MAX_K_INT32, int_mm
 
 __all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
@@ -61,17 +60,8 @@ def check_grad_gemm(grad_gemm: str) -> str:
 _INT8_DOT_FLAGS = {"amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"}
 
 
-@functools.lru_cache(maxsize=1)
 def cpu_has_int8_dot() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return bool(_INT8_DOT_FLAGS & set(value.split()))
-    except OSError:
-        pass
-    return False
+    return bool(_INT8_DOT_FLAGS & cpu_info()[1])
 
 
 def digits_pay(M: int, K: int, N: int) -> bool:
