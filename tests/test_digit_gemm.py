@@ -77,11 +77,9 @@ def test_strided_operands_read_in_place(R, C, K):
     assert torch.equal(fused, ref)
 
 
-@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=needs_fused), False])
 def test_error_bound_is_the_split_alone(fused):
     """|y - exact| <= 2^-(t+15) * sum_c |q - z| (the split's residual) + half an fp32 ulp of exact."""
-    if fused and not cpu_kernels.available():
-        pytest.skip("fused CPU kernels need a C compiler")
     a, s, q = _operands(48, 700, 40, seed=3)
     z = 7
     ctx = cpu_kernels.disabled() if not fused else torch.no_grad()
