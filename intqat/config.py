@@ -93,8 +93,9 @@ class QuantConfig:
 
     weight: QuantSpec = field(default_factory=_default_weight)
     activation: QuantSpec = field(default_factory=_default_activation)
-    # How integer linear layers run their backward GEMMs: "int8x3" (grad_x of large layers on the
-    # int8 units, the gradient split into three int8 digits; intqat.ops.digit_gemm) or "fp32".
+    # How integer linear layers run their backward GEMMs: "int8x3" (large layers' grad_x, and on AMX
+    # CPUs grad_w, on the int8 units, the gradient split into three int8 digits;
+    # intqat.ops.digit_gemm) or "fp32".
     grad_gemm: str = "int8x3"
 
     def __post_init__(self):

@@ -1,6 +1,8 @@
-"""The backward GEMM through int8 digits (intqat/ops/digit_gemm.py, kernels/cpu/fused.c).
+"""The backward GEMMs through int8 digits (intqat/ops/digit_gemm.py, kernels/cpu/fused.c and
+kernels/cpu/amx_digits.c).
 
-Fused C kernels and torch twin must agree bit for bit; the result must be the exact product of
+Every test runs twice: on the AMX kernel (planes combined in the tiles) and on the torch._int_mm
+path (what CPUs without AMX run). Fused C kernels and torch twin must agree bit for bit; the result must be the exact product of
 the digit-rounded operand, rounded once (error bound below); int_linear with grad_gemm="int8x3"
 must give the gradients of grad_gemm="fp32" within fp32-grade tolerance.
 """
@@ -19,11 +21,18 @@ from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay, spl
 needs_fused = pytest.mark.skipif(not cpu_kernels.available(), reason="fused CPU kernels need a C compiler")
 
 
-@pytest.fixture(autouse=True)
-def int8_dot_units(monkeypatch):
+@pytest.fixture(autouse=True, params=["amx", "int_mm"])
+def kernel_path(request, monkeypatch):
     """The digit path runs on any CPU; int_linear takes it only where int8 dot-product units make it
-    pay. Pretend they are there, so these tests check the same paths on every machine."""
+    pay. Pretend they are there, so these tests check the same paths on every machine. "amx": the
+    AMX kernel (skipped, and said so, on a CPU or kernel build without it); "int_mm": AMX switched off."""
     monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: True)
+    if request.param == "amx":
+        if not cpu_kernels.amx_available():
+            pytest.skip("this CPU (or the fused-kernel build) has no AMX")
+    else:
+        monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    return request.param
 
 
 def _operands(R, C, K, seed=0):
@@ -160,22 +169,34 @@ def _linear_grads(grad_gemm, M, K, N, dynamic, seed=0):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_int_linear_digit_backward_matches_fp32_backward(dynamic):
-    M, K, N = 64, 384, 1024
-    assert digits_pay(M, K, N)
+def test_int_linear_digit_backward_matches_fp32_backward(dynamic, kernel_path):
+    M, K, N = 128, 512, 1024
+    assert digits_pay(M, K, N, grad="x")
     y8, gx8, gw8, gb8 = _linear_grads("int8x3", M, K, N, dynamic)
     y32, gx32, gw32, gb32 = _linear_grads("fp32", M, K, N, dynamic)
     assert torch.equal(y8, y32)  # the forward is the same integer arithmetic
-    assert torch.equal(gw8, gw32) and torch.equal(gb8, gb32)  # grad_w, grad_b stay fp32 GEMMs
+    assert torch.equal(gb8, gb32)  # grad_b is a sum either way
     assert not torch.equal(gx8, gx32)  # grad_x really took the digit GEMM ...
     assert ((gx8 - gx32).norm() / gx32.norm()).item() < 1e-5  # ... and agrees to fp32 grade
     assert torch.equal(gx8 == 0, gx32 == 0)  # the same STE clip mask
+    if kernel_path == "amx":  # grad_w too, on the AMX kernel
+        assert digits_pay(M, K, N, grad="w")
+        assert not torch.equal(gw8, gw32)
+        assert ((gw8 - gw32).norm() / gw32.norm()).item() < 1e-5
+    else:  # through torch._int_mm, grad_w stays an fp32 GEMM
+        assert not digits_pay(M, K, N, grad="w")
+        assert torch.equal(gw8, gw32)
 
 
-def test_small_layers_and_cpus_without_int8_dot_units_keep_fp32_gemms(monkeypatch):
-    assert not digits_pay(64, 128, 128)
+def test_small_layers_and_cpus_without_int8_dot_units_keep_fp32_gemms(monkeypatch, kernel_path):
+    for grad in ("x", "w"):
+        assert not digits_pay(64, 128, 128, grad=grad)
+    # a short batch: grad_w's contraction; on AMX the output write dominates grad_x as well
+    assert not digits_pay(32, 1024, 1024, grad="w")
+    assert digits_pay(32, 1024, 1024, grad="x") == (kernel_path == "int_mm")
     monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: False)
-    assert not digits_pay(256, 1024, 1024)
+    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
+    assert not digits_pay(256, 1024, 1024) and not digits_pay(256, 1024, 1024, grad="w")
     monkeypatch.undo()
     for a, b in zip(_linear_grads("int8x3", 64, 128, 128, False), _linear_grads("fp32", 64, 128, 128, False)):
         assert torch.equal(a, b)
@@ -202,7 +223,7 @@ def test_grad_gemm_is_validated_and_configurable():
 def test_compiled_backward_traces_the_torch_twin_bit_for_bit():
     # under torch.compile the backward is traced from the torch twin (the C kernels are opaque to
     # tracers); it computes the same bits as the eager path's fused kernels
-    M, K, N = 32, 512, 1024
+    M, K, N = 128, 512, 1024
     assert digits_pay(M, K, N)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(M, K, generator=g).requires_grad_()
@@ -214,16 +235,17 @@ def test_compiled_backward_traces_the_torch_twin_bit_for_bit():
     def step(x, W, b):
         return (int_linear(x, W, b, s_x, z_x, None) * weight_out).sum()
 
+    torch._dynamo.reset()  # the other kernel_path's graph must not be reused: its backward chose differently
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
     grads_compiled = torch.autograd.grad(compiled(x, W, b), [x, W, b])
     grads_eager = torch.autograd.grad(step(x, W, b), [x, W, b])
     for c, e in zip(grads_compiled, grads_eager):
-        assert torch.equal(c, e)
+        assert torch.equal(c, e), (c.shape, (c - e).abs().max())
 
 
 def test_lsq_scale_gradients_with_the_digit_gemm():
     # learned activation scale / zero point: their LSQ terms read grad_xhat before the clip mask
-    M, K, N = 64, 256, 1024
+    M, K, N = 128, 512, 1024
     assert digits_pay(M, K, N)
     grads = {}
     for grad_gemm in ("int8x3", "fp32"):
@@ -239,3 +261,15 @@ def test_lsq_scale_gradients_with_the_digit_gemm():
     for a, b in zip(grads["int8x3"], grads["fp32"]):
         assert ((a - b).norm() / b.norm()).item() < 1e-5
     assert torch.equal(grads["int8x3"][0] == 0, grads["fp32"][0] == 0)
+
+
+@needs_fused
+def test_padded_tiles_never_see_stale_scratch_data():
+    # the AMX path pads rows to 32 and the contraction to 64 inside reused scratch buffers: a large
+    # call leaves nonzero digits behind that a smaller, oddly shaped call must not pick up
+    for R, C, K in [(96, 640, 96), (33, 65, 31), (128, 256, 64), (31, 63, 33), (1, 1, 1)]:
+        a, s, q = _operands(R, C, K, seed=R)
+        at = a.t().contiguous().t()
+        for operand, z in ((a, 0), (at, -5)):
+            fused, ref = _both(operand, s, q, z, None)
+            assert torch.equal(fused, ref), (R, C, K, z)

@@ -34,7 +34,7 @@ def test_package_data_and_kernels_are_installed(installed, tmp_path):
         "print(intqat.__file__);"
         "print(sorted(p.name for p in pathlib.Path(intqat.recipes.__path__[0]).glob('*.yaml')));"
         "print(sorted(p.name for p in r.files('intqat.conf').iterdir() if p.is_dir()));"
-        "from intqat.ops import cpu_kernels; print('fused', cpu_kernels._source(), cpu_kernels.available())"
+        "from intqat.ops import cpu_kernels; print('fused', *cpu_kernels._sources(), cpu_kernels.available())"
     )
     out = _run(installed, [sys.executable, "-c", code], tmp_path)
     assert out.returncode == 0, out.stderr
@@ -44,7 +44,10 @@ def test_package_data_and_kernels_are_installed(installed, tmp_path):
     for group in ("model", "data", "quant", "trainer"):
         assert group in lines[2]
     # the fused CPU kernels' C source ships in the package and builds from there
-    assert lines[3].startswith(f"fused {installed}") and lines[3].endswith("True"), lines[3]
+    fused = lines[3].split()
+    assert fused[0] == "fused" and fused[-1] == "True", lines[3]
+    assert [p.rsplit("/", 1)[-1] for p in fused[1:-1]] == ["fused.c", "amx_digits.c"], lines[3]
+    assert all(p.startswith(str(installed)) for p in fused[1:-1]), lines[3]
 
 
 @pytest.mark.parametrize("script", ["intqat-train", "intqat-export", "intqat-graphs", "intqat-bench"])

@@ -50,6 +50,8 @@ __all__ = [
     "dequantize_rows",
     "split_digits",
     "combine_digits",
+    "amx_available",
+    "amx_digit_matmul",
     "scratch",
 ]
 
@@ -67,10 +69,14 @@ _SIGNATURES = {
     "intqat_epilogue": [_P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
     # q, rows, cols, scale, scale_stride, z, out
     "intqat_dequantize_rows": [_P, _I, _I, _P, _I, _F, _P],
-    # a, R, C, rs, cs, col_scale, scale_stride, digits, shift, rowsum
-    "intqat_split_digits": [_P, _I, _I, _I, _I, _P, _I, _P, _P, _P],
+    # a, R, C, rs, cs, col_scale, scale_stride, digits, ld, plane, shift, rowsum
+    "intqat_split_digits": [_P, _I, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P],
     # acc, R, K, shift, rowsum, z, mask, out
     "intqat_combine_digits": [_P, _I, _I, _P, _P, ctypes.c_int32, _P, _P],
+    # (amx_digits.c) q, C, K, q row stride, ld, Kp, bpack
+    "intqat_amx_pack_b": [_P, _I, _I, _I, _I, _I, _P],
+    # digits, R, ld, bpack, K, shift, rowsum, z, mask, out
+    "intqat_amx_digit_gemm": [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int32, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -79,12 +85,16 @@ _load_tried = False
 _disabled_depth = 0
 
 
-def _source() -> Path:
+_SOURCES = ("fused.c", "amx_digits.c")  # compiled together into one library
+
+
+def _sources() -> list[Path]:
     # kernels/ installs as intqat.kernels; find_spec locates it without importing it (and triton).
     spec = importlib.util.find_spec("intqat.kernels")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package intqat.kernels not found")
-    return Path(next(iter(spec.submodule_search_locations))) / "cpu" / "fused.c"
+    root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
+    return [root / name for name in _SOURCES]
 
 
 def _cpu_id() -> str:
@@ -105,10 +115,10 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(src: Path) -> Path:
-    """Compile fused.c into the cache (once per source / flags / CPU) and return the .so path."""
+def _build(srcs: list[Path]) -> Path:
+    """Compile the sources into the cache (once per source / flags / CPU) and return the .so path."""
     cc = os.environ.get("CC", "cc")
-    code = src.read_bytes()
+    code = b"\0".join(src.read_bytes() for src in srcs)
     errors = []
     for flags in _flag_sets():
         key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cc.encode(), _cpu_id().encode(),
@@ -120,7 +130,7 @@ def _build(src: Path) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".fused-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(src), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, srcs), "-lm"], capture_output=True, text=True)
             if proc.returncode == 0:
                 os.replace(tmp, out)  # atomic: a reader sees no library or a whole one
                 return out
@@ -140,7 +150,7 @@ def _load() -> ctypes.CDLL | None:
         if os.environ.get("INTQAT_CPU_KERNELS", "1") == "0":
             return None
         try:
-            lib = ctypes.CDLL(str(_build(_source())))
+            lib = ctypes.CDLL(str(_build(_sources())))
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, None
@@ -327,23 +337,27 @@ def dequantize_rows(q: Tensor, scale: Tensor | None, zero_point: float, per_row:
     return out
 
 
-def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool,
-                 digits: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """a fp32 (R, C), any strides (a transposed view is read in place), col_scale (C,) or one value
-    -> (digits int8 (3, R, C), shift int32 (R,), digit row sums int32 (3, R) or None).
+def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool, digits: Tensor | None = None,
+                 pad_rows: int = 1, pad_cols: int = 1) -> tuple[Tensor, Tensor, Tensor | None]:
+    """a fp32 (R, C), any strides (a transposed view is gathered in blocks, no copy of a), col_scale
+    (C,) or one value -> (digits int8 (3, Rp, Cp), shift int32 (R,), digit row sums int32 (3, R) or None).
 
-    See intqat.ops.digit_gemm.split_digits, the torch twin. digits: an int8 (3, R, C) buffer to fill."""
+    See intqat.ops.digit_gemm.split_digits, the torch twin. Rp, Cp: R, C rounded up to multiples of
+    pad_rows, pad_cols, the padding zero digits (what the AMX kernel's tiles read). digits: an int8
+    buffer of at least 3 * Rp * Cp elements to fill (a `scratch` view)."""
     R, C = a.shape
+    Rp, Cp = -(-R // pad_rows) * pad_rows, -(-C // pad_cols) * pad_cols
     if a.dtype != torch.float32:
         a = a.to(torch.float32)
     s = _fp32_contiguous(col_scale)
-    if digits is None:
-        digits = torch.empty((3, R, C), dtype=torch.int8)
+    digits = torch.empty((3, Rp, Cp), dtype=torch.int8) if digits is None else digits.view(3, Rp, Cp)
+    if Rp > R:
+        digits[:, R:].zero_()
     shift = torch.empty(R, dtype=torch.int32)
     rowsum = torch.empty((3, R), dtype=torch.int32) if need_rowsum else None
     if R:
         _lib.intqat_split_digits(a.data_ptr(), R, C, a.stride(0), a.stride(1), s.data_ptr(), 1 if s.numel() > 1 else 0,
-                                 digits.data_ptr(), shift.data_ptr(), _ptr(rowsum))
+                                 digits.data_ptr(), Cp, Rp * Cp, shift.data_ptr(), _ptr(rowsum))
     return digits, shift, rowsum
 
 
@@ -356,4 +370,44 @@ def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, ma
     if out.numel():
         _lib.intqat_combine_digits(acc.data_ptr(), R, K, shift.data_ptr(), _ptr(rowsum), int(z), _ptr(mask),
                                    out.data_ptr())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The digit GEMM on AMX tiles (kernels/cpu/amx_digits.c)
+# ---------------------------------------------------------------------------------------------
+
+AMX_ROWS, AMX_COLS, AMX_DEPTH = 32, 32, 64  # output block, contraction step: what inputs pad to
+_amx: bool | None = None
+
+
+def amx_available() -> bool:
+    """The library is built with AMX and Linux granted this process the AMX state (asked once)."""
+    global _amx
+    if not available():
+        return False
+    if _amx is None:
+        _lib.intqat_amx_available.restype = ctypes.c_int
+        _amx = bool(_lib.intqat_amx_available())
+    return _amx
+
+
+def amx_digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor | None) -> Tensor:
+    """where(mask, (a * col_scale) @ (float(q) - z), 0): fp32 (R, K), the same bits as `split_digits`
+    -> torch._int_mm -> `combine_digits`, with the three planes accumulated in AMX tiles and
+    combined before anything is written (no (3R, K) int32 product). a fp32 (R, C) any strides,
+    q int8 (C, K) with unit column stride, mask bool (R, K) or None. Call only if `amx_available()`."""
+    R, C = a.shape
+    K = q.shape[1]
+    Kp = -(-K // AMX_COLS) * AMX_COLS
+    digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=bool(z), pad_rows=AMX_ROWS, pad_cols=AMX_DEPTH,
+                                         digits=scratch("digits", (3 * (-(-R // AMX_ROWS) * AMX_ROWS)
+                                                                   * (-(-C // AMX_DEPTH) * AMX_DEPTH),), torch.int8))
+    ld = digits.shape[2]
+    bpack = scratch("amx_b", (ld * Kp,), torch.int8)
+    _lib.intqat_amx_pack_b(q.data_ptr(), C, K, q.stride(0), ld, Kp, bpack.data_ptr())
+    mask = None if mask is None else mask.contiguous()
+    out = torch.empty((R, K), dtype=torch.float32)
+    _lib.intqat_amx_digit_gemm(digits.data_ptr(), R, ld, bpack.data_ptr(), K, shift.data_ptr(), _ptr(rowsum),
+                               int(z), _ptr(mask), out.data_ptr())
     return out

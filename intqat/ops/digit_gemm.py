@@ -11,24 +11,30 @@ for exact matrix products, Ozaki et al. 2012, cut at three digits):
     a[r, c] * 2^t[r] = d0 + d1 / 2^7 + d2 / 2^14 + e,    |d0| <= 127, |d1|, |d2| <= 64, |e| <= 2^-15
     (a @ q)[r, k]    = 2^-(t[r] + 14) * sum_j 2^(14 - 7j) * (d_j @ q)[r, k]          (+ e's share)
 
-Each d_j @ q is an exact int8 GEMM (`torch._int_mm`, the three planes stacked into one call), the
-weighted sum is an integer below 2^53 (exact in double), and the final scaling by a power of two is
-exact: the result is the exact product of the digit-rounded gradient with the codes, rounded once
-to fp32. The only approximation is the split: each element of a row is kept to 21 bits below the
-row's largest element (absolute error <= 2^-15 grid steps, i.e. <= 4.8e-7 of the row's largest
-magnitude), against fp32's 24 bits per element and an fp32 GEMM's own accumulation rounding. A
-bf16 backward keeps 8 bits per element.
+Each d_j @ q is an exact int8 GEMM, the weighted sum is an integer below 2^53 (exact in double),
+and the final scaling by a power of two is exact: the result is the exact product of the
+digit-rounded gradient with the codes, rounded once to fp32. The only approximation is the split:
+each element of a row is kept to 21 bits below the row's largest element (absolute error <= 2^-15
+grid steps, i.e. <= 4.8e-7 of the row's largest magnitude), against fp32's 24 bits per element and
+an fp32 GEMM's own accumulation rounding. A bf16 backward keeps 8 bits per element.
 
-Where it pays (measured on this 2-core AMX CPU, `digits_pay`): grad_x of int_linear, on a CPU with
-int8 dot-product units (AMX / VNNI / Arm dot product), when the contraction N >= 512 and
-M*N*K >= 2^24 (0.54x-0.78x the fp32 GEMM's time at M=256; smaller or narrower GEMMs spend more on
-the split than they save). Not grad_w: its contraction is the batch
-(M ~ 256), where the three-plane int8 GEMM, with its 3x larger int32 output, is no faster than
-fp32 here. `grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of
-NUMERICS.md. Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
+Two kernels compute the same bits:
+- AMX (kernels/cpu/amx_digits.c; CPUs with AMX-INT8 under Linux): the three planes are accumulated
+  in AMX tiles, 32x32 output blocks at a time, and combined before anything leaves L1: one fp32
+  write per output element.
+- elsewhere: the three planes stacked into one `torch._int_mm` call, whose (3R, K) int32 product is
+  written out and read back by the combine (fused C kernels in kernels/cpu/fused.c).
 
-The fused C kernels (kernels/cpu/fused.c) and the torch functions here compute the same bits;
-tests/test_digit_gemm.py checks both and the error bound.
+Where it pays (`digits_pay`, measured on this 2-core AMX CPU): with AMX, both backward GEMMs from
+M >= 128 and M*N*K >= 2^26 (at M=256, K=N=1024: grad_w 0.51x, grad_x 0.42x the fp32 GEMM's time;
+a batch of 32 is 1.2x-2.3x slower, its output write dominating). Through torch._int_mm (other CPUs
+with int8 dot-product units) only grad_x, from N >= 512 and M*N*K >= 2^24 (0.54x-0.78x at M=256):
+grad_w's contraction is the batch, where the 3x larger int32 output made it slower than fp32.
+`grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of NUMERICS.md.
+Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
+
+The C kernels and the torch functions here compute the same bits; tests/test_digit_gemm.py checks
+both kernels against them and the error bound.
 """
 
 from __future__ import annotations
@@ -64,9 +70,17 @@ def cpu_has_int8_dot() -> bool:
     return bool(_INT8_DOT_FLAGS & cpu_info()[1])
 
 
-def digits_pay(M: int, K: int, N: int) -> bool:
-    """Is grad_x (M, N) @ (N, K) faster as a digit GEMM than in fp32? (module docstring)"""
-    return N >= 512 and M * N * K >= 2**24 and cpu_has_int8_dot()
+def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
+    """Is this backward GEMM of int_linear (x (M, K), W (N, K)) faster as a digit GEMM than in fp32?
+
+    grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). Measured on this 2-core
+    AMX CPU (module docstring): with the AMX kernel both pay from M >= 128 and M*N*K >= 2^26
+    (0.5x-0.75x of fp32 at M=256; up to 2.3x slower at M=32, where the output dominates). Through
+    torch._int_mm (other int8-dot CPUs) only grad_x pays, from N >= 512 and M*N*K >= 2^24.
+    """
+    if cpu_kernels.amx_available():
+        return M >= 128 and M * N * K >= 2**26
+    return grad == "x" and N >= 512 and M * N * K >= 2**24 and cpu_has_int8_dot()
 
 
 def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -95,7 +109,8 @@ def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tenso
     return digits, shift, rowsum
 
 
-def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, mask: Tensor | None) -> Tensor:
+def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int | Tensor,
+                   mask: Tensor | None) -> Tensor:
     """acc int32 (3R, K), the digit planes times codes q (C, K) -> (a @ (q - z)) fp32 (R, K), torch ops.
 
     out[r, k] = float32(2^-(t + 14) * sum_j 2^(14 - 7j) * (acc_j[r, k] - z * rowsum_j[r])), exact
@@ -103,7 +118,9 @@ def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, ma
     """
     R, K = acc.shape[0] // 3, acc.shape[1]
     planes = acc.reshape(3, R, K).double()
-    if rowsum is not None and z:
+    if rowsum is not None and isinstance(z, Tensor):  # traced (compile): z is data, not a constant
+        planes = planes - z.reshape(()).double() * rowsum.double().unsqueeze(2)
+    elif rowsum is not None and z:
         planes = planes - float(z) * rowsum.double().unsqueeze(2)
     total = planes[0] * _SCALE_ALL + planes[1] * _DIGIT + planes[2]
     bad = shift == torch.iinfo(torch.int32).min
@@ -113,8 +130,10 @@ def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, ma
     return out if mask is None else torch.where(mask, out, 0.0)
 
 
-def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor | None = None) -> Tensor:
+def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask: Tensor | None = None) -> Tensor:
     """where(mask, (a * col_scale) @ (float(q) - z), 0) for a fp32 (R, C), q int8 (C, K): (R, K) fp32.
+
+    z: q's zero point, an int or a one-element integer tensor (read once, outside of tracing).
 
     The product runs as one int8 GEMM over the three digit planes (module docstring). a may be a
     transposed view (the fused kernel reads it in place). Contractions longer than MAX_K_INT32 take
@@ -122,6 +141,8 @@ def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor |
     """
     R, C = a.shape
     K = q.shape[1]
+    if isinstance(z, Tensor) and cpu_kernels.usable(z):
+        z = int(z.reshape(()))  # eager: a constant for the kernels; traced, the twin takes the tensor
     if C > MAX_K_INT32:
         out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
         return out if mask is None else torch.where(mask, out, 0.0)
@@ -129,10 +150,12 @@ def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor |
         out = a.new_zeros((R, K), dtype=torch.float32)
         return out if mask is None else torch.where(mask, out, 0.0)
     if cpu_kernels.usable(a, col_scale, q, mask) and q.is_contiguous():
+        if cpu_kernels.amx_available():  # planes combined in the tiles: no (3R, K) int32 product
+            return cpu_kernels.amx_digit_matmul(a, col_scale, q, z, mask)
         digits = cpu_kernels.scratch("digits", (3, R, C), torch.int8)
         digits, shift, rowsum = cpu_kernels.split_digits(a, col_scale, need_rowsum=bool(z), digits=digits)
         acc = torch._int_mm(digits.view(3 * R, C), q, out=cpu_kernels.scratch("digit_acc", (3 * R, K), torch.int32))
         return cpu_kernels.combine_digits(acc, shift, rowsum, z, mask)
-    digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=bool(z))
+    digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=isinstance(z, Tensor) or bool(z))
     acc = int_mm(digits.reshape(3 * R, C), q)
     return combine_digits(acc, shift, rowsum, z, mask)

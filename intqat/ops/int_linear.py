@@ -10,8 +10,9 @@ Backward (straight-through, fp32) needs only the int8 codes, the clip masks and 
     grad_x    = grad_xhat * mask_x
     grad_what = gᵀ @ x_hat,  x_hat = (float(q_x) - z_x) * s_x
     grad_w    = grad_what * mask_w
-By default (grad_gemm="int8x3") the grad_x GEMM of a large layer runs on the int8 units, g split
-into three int8 digits (intqat.ops.digit_gemm); grad_gemm="fp32" keeps both GEMMs in fp32.
+By default (grad_gemm="int8x3") the backward GEMMs of a large layer run on the int8 units, g split
+into three int8 digits (intqat.ops.digit_gemm): grad_x where int8 dot products pay, grad_w too on
+AMX; grad_gemm="fp32" keeps both GEMMs in fp32.
 plus LSQ gradients for learnable scales and the LSQ+ gradient for the activation zero point.
 
 `intqat::int_linear` is one torch.library custom op with `register_autograd`, so torch.compile and
@@ -264,7 +265,8 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     triton = backend_for(g) == "triton"
     if triton:
         from intqat import kernels
-    digits = ctx.grad_gemm == "int8x3" and digits_pay(*q_x.shape, q_w.shape[0])  # grad_x on the int8 units
+    int8x3 = ctx.grad_gemm == "int8x3"
+    digits = int8x3 and digits_pay(*q_x.shape, q_w.shape[0], grad="x")  # grad_x on the int8 units
 
     if need_x or need_sx or need_zx:
         if triton:
@@ -302,6 +304,11 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
                 lsq_grad_factor(q_w.shape[1], w_qmax),
             )
             grad_what = None
+        elif int8x3 and digits_pay(*q_x.shape, q_w.shape[0], grad="w"):
+            # grad_what = (g * s_x)ᵀ @ (q_x - z_x) on the int8 units; mask fused unless LSQ needs it unmasked
+            fuse = mask_w.numel() and not need_sw
+            grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x, mask_w if fuse else None)
+            grad_w = grad_what if (fuse or not mask_w.numel()) else torch.where(mask_w, grad_what, 0.0)
         else:
             # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x     (N, M) @ (M, K) -> (N, K)
             x_hat = _dequantized(q_x, s_x.reshape(-1), z_x, per_row=s_x.numel() > 1, role="x_hat")
@@ -438,10 +445,10 @@ def int_linear(
     `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
     `w_clip_mask`: keep the weight clip mask for backward (default True). A caller whose w_scale is
     the weight's own max|W| / qmax may pass False: such a scale never clips, the mask is all ones.
-    `grad_gemm`: "int8x3" (default): grad_x = (g * s_w) @ q_w runs on the int8 units, g split into
-    three int8 digits (21 bits below each row's max, rounded once; intqat.ops.digit_gemm), for the
-    layers where that is faster (`digits_pay`); "fp32": fp32 GEMMs only. grad_w is always an fp32
-    GEMM, and the Triton (GPU) backward runs fp32 GEMMs.
+    `grad_gemm`: "int8x3" (default): the backward GEMMs grad_x = (g * s_w) @ q_w and, on AMX CPUs,
+    grad_w = (g * s_x)ᵀ @ (q_x - z_x) run on the int8 units, g split into three int8 digits (21 bits
+    below each row's max, rounded once; intqat.ops.digit_gemm), for the layers where that is faster
+    (`digits_pay`); "fp32": fp32 GEMMs only. The Triton (GPU) backward runs fp32 GEMMs.
     """
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic)
     check_qrange(x_qmin, x_qmax)

@@ -13,6 +13,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define OMP_FOR _Pragma("omp parallel for schedule(static)")
 
@@ -200,19 +201,61 @@ static inline void split_row(const float *ar, int64_t C, int64_t cs, const float
     sums[0] = s0; sums[1] = s1; sums[2] = s2;
 }
 
+/* digits: plane j, row r at digits + j * plane + r * ld; ld >= C, and the digits past C in each row
+ * are zeroed (the AMX kernel runs 64-deep contraction steps over them). */
 void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
-                         int64_t ss, int8_t *digits, int32_t *shift, int32_t *rowsum) {
-    const int64_t plane = R * C;
+                         int64_t ss, int8_t *digits, int64_t ld, int64_t plane, int32_t *shift, int32_t *rowsum) {
+    if (cs != 1) {
+        /* a strided view (grad_w splits gᵀ): gather blocks of 16 rows into a contiguous buffer
+         * first, reading 16 neighbouring floats at a time instead of one per cache line */
+#pragma omp parallel
+        {
+            float *buf = (float *)malloc(sizeof(float) * 16 * (size_t)(C ? C : 1));
+#pragma omp for schedule(static)
+            for (int64_t r0 = 0; r0 < R; r0 += 16) {
+                const int64_t n = R - r0 < 16 ? R - r0 : 16;
+                if (!buf) { /* no memory for the buffer: read through the strides, slower, same digits */
+                    for (int64_t r = r0; r < r0 + n; ++r) {
+                        int8_t *d0 = digits + r * ld;
+                        int32_t sums[3];
+                        split_row(a + r * rs, C, cs, col_scale, ss, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+                        for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
+                        if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
+                    }
+                    continue;
+                }
+                if (rs == 1) {
+                    for (int64_t c = 0; c < C; ++c)
+                        for (int64_t i = 0; i < n; ++i) buf[i * C + c] = a[(r0 + i) + c * cs];
+                } else {
+                    for (int64_t i = 0; i < n; ++i)
+                        for (int64_t c = 0; c < C; ++c) buf[i * C + c] = a[(r0 + i) * rs + c * cs];
+                }
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t r = r0 + i;
+                    int8_t *d0 = digits + r * ld;
+                    int32_t sums[3];
+                    if (ss == 1)
+                        split_row(buf + i * C, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+                    else
+                        split_row(buf + i * C, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+                    for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
+                    if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
+                }
+            }
+            free(buf);
+        }
+        return;
+    }
     OMP_FOR
     for (int64_t r = 0; r < R; ++r) {
-        int8_t *d0 = digits + r * C;
+        int8_t *d0 = digits + r * ld;
         int32_t sums[3];
-        if (cs == 1 && ss == 1)
+        if (ss == 1)
             split_row(a + r * rs, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-        else if (cs == 1 && ss == 0)
-            split_row(a + r * rs, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
         else
-            split_row(a + r * rs, C, cs, col_scale, ss, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+            split_row(a + r * rs, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+        for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
         if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
     }
 }
