@@ -220,9 +220,9 @@ def test_grad_gemm_is_validated_and_configurable():
     assert "grad_gemm=fp32" in repr(model)
 
 
-def test_compiled_backward_traces_the_torch_twin_bit_for_bit():
-    # under torch.compile the backward is traced from the torch twin (the C kernels are opaque to
-    # tracers); it computes the same bits as the eager path's fused kernels
+def test_compiled_backward_runs_the_same_kernels_bit_for_bit():
+    # under torch.compile the backward graph holds one intqat::digit_matmul node, which runs the
+    # eager path's kernels when the compiled program runs: the same bits
     M, K, N = 128, 512, 1024
     assert digits_pay(M, K, N)
     g = torch.Generator().manual_seed(5)
@@ -241,6 +241,32 @@ def test_compiled_backward_traces_the_torch_twin_bit_for_bit():
     grads_eager = torch.autograd.grad(step(x, W, b), [x, W, b])
     for c, e in zip(grads_compiled, grads_eager):
         assert torch.equal(c, e), (c.shape, (c - e).abs().max())
+
+
+def test_inductor_compiles_the_digit_backward(kernel_path):
+    # with inductor too: the digit GEMMs give the eager bits (the opaque op runs the same kernels);
+    # fp32 GEMMs and grad_b's sum, which inductor may reorder, agree to fp32 rounding
+    M, K, N = 128, 512, 1024
+    assert digits_pay(M, K, N, grad="x")
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(M, K, generator=g).requires_grad_()
+    W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
+    b = torch.zeros(N, requires_grad=True)
+    s_x, z_x = torch.tensor([0.02]), torch.tensor([3.0])
+    weight_out = torch.randn(M, N, generator=g)
+
+    def step(x, W, b):
+        return (int_linear(x, W, b, s_x, z_x, None) * weight_out).sum()
+
+    torch._dynamo.reset()
+    gx_c, gw_c, gb_c = torch.autograd.grad(torch.compile(step, fullgraph=True)(x, W, b), [x, W, b])
+    gx_e, gw_e, gb_e = torch.autograd.grad(step(x, W, b), [x, W, b])
+    assert torch.equal(gx_c, gx_e)
+    if kernel_path == "amx":  # grad_w through the digits too
+        assert torch.equal(gw_c, gw_e)
+    else:  # an fp32 GEMM, which inductor may block differently: fp32 rounding apart
+        assert ((gw_c - gw_e).norm() / gw_e.norm()).item() < 1e-6
+    torch.testing.assert_close(gb_c, gb_e, rtol=1e-6, atol=1e-4)
 
 
 def test_lsq_scale_gradients_with_the_digit_gemm():
@@ -273,3 +299,16 @@ def test_padded_tiles_never_see_stale_scratch_data():
         for operand, z in ((a, 0), (at, -5)):
             fused, ref = _both(operand, s, q, z, None)
             assert torch.equal(fused, ref), (R, C, K, z)
+
+
+@pytest.mark.parametrize("z", [0, -9])
+def test_digit_matmul_op_passes_opcheck(z):
+    # the traced form: schema, fake (meta) implementation, no aliasing, same results under tracing
+    a, s, q = _operands(40, 96, 24)
+    mask = torch.rand(40, 24, generator=torch.Generator().manual_seed(3)) > 0.2
+    zt = torch.tensor([z], dtype=torch.int32)
+    for operand, m in ((a, None), (a.t().contiguous().t(), mask)):
+        torch.library.opcheck(digit_gemm._digit_matmul_op, (operand, s, q, zt, m))
+    traced = torch.fx.experimental.proxy_tensor.make_fx(lambda a, s, q, m: digit_matmul(a, s, q, z, m))(a, s, q, mask)
+    assert "intqat.digit_matmul" in str(traced.graph)
+    assert torch.equal(traced(a, s, q, mask), digit_matmul(a, s, q, z, mask))

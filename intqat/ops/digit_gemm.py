@@ -39,8 +39,11 @@ both kernels against them and the error bound.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
+from torch.utils import _python_dispatch
 
 from intqat.ops import cpu_kernels
 from intqat.ops.backend import cpu_info
@@ -91,10 +94,13 @@ def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tenso
     a NaN or an infinity gets shift INT32_MIN and zero digits (combine_digits writes NaN there).
     """
     v = a.to(torch.float32) * col_scale.detach().to(torch.float32).reshape(1, -1)  # one fp32 rounding
-    amax = v.abs().amax(dim=1).double() if v.shape[1] else v.new_zeros(v.shape[0], dtype=torch.float64)
+    amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
     finite = torch.isfinite(amax)
     amax = torch.where(finite, amax, 0.0)
-    _, e = torch.frexp(amax)  # amax = f * 2^e, f in [0.5, 1)
+    # amax = f * 2^e, f in [0.5, 1). frexp of the fp32 value (the same e as of its double): inductor's
+    # vectorized frexp of doubles does not compile (torch 2.13), and a gᵀ operand vectorizes it.
+    _, e = torch.frexp(amax)
+    amax = amax.double()
     t = 7 - e.to(torch.int32)
     t = t - (amax * torch.exp2(t.double()) >= 127.5).to(torch.int32)
     x = v.double() * torch.exp2(t.double()).unsqueeze(1)  # exact: a power of two
@@ -133,16 +139,45 @@ def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int | T
 def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask: Tensor | None = None) -> Tensor:
     """where(mask, (a * col_scale) @ (float(q) - z), 0) for a fp32 (R, C), q int8 (C, K): (R, K) fp32.
 
-    z: q's zero point, an int or a one-element integer tensor (read once, outside of tracing).
+    z: q's zero point, an int or a one-element integer tensor.
 
     The product runs as one int8 GEMM over the three digit planes (module docstring). a may be a
-    transposed view (the fused kernel reads it in place). Contractions longer than MAX_K_INT32 take
-    the fp32 GEMM.
+    transposed view (the kernels read it in place). Contractions longer than MAX_K_INT32 take the
+    fp32 GEMM. Traced (torch.compile's backward graph, make_fx), the call is one opaque node,
+    `intqat::digit_matmul`, which runs the same kernels when the compiled program runs: compiled and
+    eager gradients are the same bits, and inductor does not regenerate the split and combine.
     """
+    if _traced(a, col_scale, q, mask) or (isinstance(z, Tensor) and _traced(z)):
+        zt = z.reshape(1) if isinstance(z, Tensor) else torch.tensor([z], dtype=torch.int32)
+        return _digit_matmul_op(a, col_scale, q, zt, mask)
+    return _digit_matmul(a, col_scale, q, z, mask)
+
+
+def _traced(*tensors: Tensor | None) -> bool:
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return True
+    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return True
+    return any(t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter for t in tensors)
+
+
+@torch.library.custom_op("intqat::digit_matmul", mutates_args=())
+def _digit_matmul_op(a: Tensor, col_scale: Tensor, q: Tensor, z: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """The traced form of `digit_matmul` (z a one-element integer tensor)."""
+    return _digit_matmul(a, col_scale, q, z, mask)
+
+
+@_digit_matmul_op.register_fake
+def _(a, col_scale, q, z, mask):
+    return a.new_empty((a.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+def _digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask: Tensor | None) -> Tensor:
+    """`digit_matmul` on real tensors: the C kernels when usable, else the torch twin."""
     R, C = a.shape
     K = q.shape[1]
     if isinstance(z, Tensor) and cpu_kernels.usable(z):
-        z = int(z.reshape(()))  # eager: a constant for the kernels; traced, the twin takes the tensor
+        z = int(z.reshape(()))  # a constant for the kernels (the twin also takes the tensor)
     if C > MAX_K_INT32:
         out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
         return out if mask is None else torch.where(mask, out, 0.0)
