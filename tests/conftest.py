@@ -19,7 +19,7 @@ from pathlib import Path
 def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted([*root.glob("intqat/**/*.py"), *root.glob("kernels/**/*.py"), *root.glob("kernels/**/*.c")]):
+    for path in sorted([*root.glob("intqat/**/*.py"), *root.glob("kernels/**/*.py"), *root.glob("kernels/**/*.c"), *root.glob("kernels/**/*.h")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:12]

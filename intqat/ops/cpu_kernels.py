@@ -118,7 +118,8 @@ def _cache_dir() -> Path:
 def _build(srcs: list[Path]) -> Path:
     """Compile the sources into the cache (once per source / flags / CPU) and return the .so path."""
     cc = os.environ.get("CC", "cc")
-    code = b"\0".join(src.read_bytes() for src in srcs)
+    headers = sorted(srcs[0].parent.glob("*.h"))  # included by the sources: part of the cache key
+    code = b"\0".join(path.read_bytes() for path in [*srcs, *headers])
     errors = []
     for flags in _flag_sets():
         key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cc.encode(), _cpu_id().encode(),

@@ -24,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define INTQAT_BAD_ROW INT32_MIN
+#include "digits.h" /* combine_digit_row */
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <immintrin.h>
@@ -114,22 +114,10 @@ void intqat_amx_digit_gemm(const int8_t *digits, int64_t R, int64_t ld, const in
                 const int cols = K - cb * 32 < 32 ? (int)(K - cb * 32) : 32;
                 for (int i = 0; i < rows; ++i) {
                     const int64_t r = rb * 32 + i;
-                    float *o = out + r * K + cb * 32;
-                    const uint8_t *mr = mask ? mask + r * K + cb * 32 : 0;
-                    if (shift[r] == INTQAT_BAD_ROW) {
-                        for (int k = 0; k < cols; ++k) o[k] = (mr && !mr[k]) ? 0.0f : NAN;
-                        continue;
-                    }
-                    const double p = ldexp(1.0, -(shift[r] + 14));
-                    const double c0 = rowsum ? (double)z * rowsum[r] : 0.0;
-                    const double c1 = rowsum ? (double)z * rowsum[R + r] : 0.0;
-                    const double c2 = rowsum ? (double)z * rowsum[2 * R + r] : 0.0;
-                    for (int k = 0; k < cols; ++k) {
-                        const double T = ((double)acc[0][i][k] - c0) * 16384.0 + ((double)acc[1][i][k] - c1) * 128.0 +
-                                         ((double)acc[2][i][k] - c2);
-                        const float y = (float)(T * p);
-                        o[k] = mr ? (mr[k] ? y : 0.0f) : y;
-                    }
+                    combine_digit_row(acc[0][i], acc[1][i], acc[2][i], cols, shift[r],
+                                      rowsum ? (double)z * rowsum[r] : 0.0, rowsum ? (double)z * rowsum[R + r] : 0.0,
+                                      rowsum ? (double)z * rowsum[2 * R + r] : 0.0,
+                                      mask ? mask + r * K + cb * 32 : 0, out + r * K + cb * 32);
                 }
             }
         }

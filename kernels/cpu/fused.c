@@ -160,7 +160,7 @@ void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const f
  * a (R, C) is read through strides (rs, cs), so a transposed view needs no copy. A row holding a
  * NaN or an infinity gets shift INTQAT_BAD_ROW and zero digits; the combine writes NaN there.
  * rowsum (3, R), optional: each digit plane's row sums, for the zero-point correction. */
-#define INTQAT_BAD_ROW INT32_MIN
+#include "digits.h" /* INTQAT_BAD_ROW, combine_digit_row */
 
 /* One row; inlined with constant strides for the common contiguous case, so that it vectorizes. */
 static inline void split_row(const float *ar, int64_t C, int64_t cs, const float *col_scale, int64_t ss,
@@ -201,6 +201,22 @@ static inline void split_row(const float *ar, int64_t C, int64_t cs, const float
     sums[0] = s0; sums[1] = s1; sums[2] = s2;
 }
 
+/* Row r of the split into the planes (row stride ld, plane stride plane), zeroing digits C..ld. */
+static inline void split_into(const float *ar, int64_t C, int64_t cs, const float *col_scale, int64_t ss,
+                              int8_t *digits, int64_t ld, int64_t plane, int64_t r, int64_t R, int32_t *shift,
+                              int32_t *rowsum) {
+    int8_t *d0 = digits + r * ld;
+    int32_t sums[3];
+    if (cs == 1 && ss == 1)
+        split_row(ar, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+    else if (cs == 1 && ss == 0)
+        split_row(ar, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+    else
+        split_row(ar, C, cs, col_scale, ss, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
+    for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
+    if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
+}
+
 /* digits: plane j, row r at digits + j * plane + r * ld; ld >= C, and the digits past C in each row
  * are zeroed (the AMX kernel runs 64-deep contraction steps over them). */
 void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
@@ -215,13 +231,8 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
             for (int64_t r0 = 0; r0 < R; r0 += 16) {
                 const int64_t n = R - r0 < 16 ? R - r0 : 16;
                 if (!buf) { /* no memory for the buffer: read through the strides, slower, same digits */
-                    for (int64_t r = r0; r < r0 + n; ++r) {
-                        int8_t *d0 = digits + r * ld;
-                        int32_t sums[3];
-                        split_row(a + r * rs, C, cs, col_scale, ss, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-                        for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
-                        if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
-                    }
+                    for (int64_t r = r0; r < r0 + n; ++r)
+                        split_into(a + r * rs, C, cs, col_scale, ss, digits, ld, plane, r, R, shift, rowsum);
                     continue;
                 }
                 if (rs == 1) {
@@ -231,33 +242,15 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
                     for (int64_t i = 0; i < n; ++i)
                         for (int64_t c = 0; c < C; ++c) buf[i * C + c] = a[(r0 + i) * rs + c * cs];
                 }
-                for (int64_t i = 0; i < n; ++i) {
-                    const int64_t r = r0 + i;
-                    int8_t *d0 = digits + r * ld;
-                    int32_t sums[3];
-                    if (ss == 1)
-                        split_row(buf + i * C, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-                    else
-                        split_row(buf + i * C, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-                    for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
-                    if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
-                }
+                for (int64_t i = 0; i < n; ++i)
+                    split_into(buf + i * C, C, 1, col_scale, ss, digits, ld, plane, r0 + i, R, shift, rowsum);
             }
             free(buf);
         }
         return;
     }
     OMP_FOR
-    for (int64_t r = 0; r < R; ++r) {
-        int8_t *d0 = digits + r * ld;
-        int32_t sums[3];
-        if (ss == 1)
-            split_row(a + r * rs, C, 1, col_scale, 1, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-        else
-            split_row(a + r * rs, C, 1, col_scale, 0, d0, d0 + plane, d0 + 2 * plane, shift + r, sums);
-        for (int64_t c = C; c < ld; ++c) d0[c] = d0[plane + c] = d0[2 * plane + c] = 0;
-        if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
-    }
+    for (int64_t r = 0; r < R; ++r) split_into(a + r * rs, C, 1, col_scale, ss, digits, ld, plane, r, R, shift, rowsum);
 }
 
 /* Combine: acc (3R, K) int32 = the three digit planes times int8 codes q (C, K), and
@@ -269,21 +262,9 @@ void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32
     const int64_t plane = R * K;
     OMP_FOR
     for (int64_t r = 0; r < R; ++r) {
-        float *o = out + r * K;
-        const uint8_t *mr = mask ? mask + r * K : 0;
-        if (shift[r] == INTQAT_BAD_ROW) {
-            for (int64_t k = 0; k < K; ++k) o[k] = (mr && !mr[k]) ? 0.0f : NAN;
-            continue;
-        }
-        const double p = ldexp(1.0, -(shift[r] + 14));
-        const double c0 = rowsum ? (double)z * rowsum[r] : 0.0;
-        const double c1 = rowsum ? (double)z * rowsum[R + r] : 0.0;
-        const double c2 = rowsum ? (double)z * rowsum[2 * R + r] : 0.0;
-        const int32_t *a0 = acc + r * K, *a1 = a0 + plane, *a2 = a1 + plane;
-        for (int64_t k = 0; k < K; ++k) {
-            const double T = ((double)a0[k] - c0) * 16384.0 + ((double)a1[k] - c1) * 128.0 + ((double)a2[k] - c2);
-            const float y = (float)(T * p);
-            o[k] = mr ? (mr[k] ? y : 0.0f) : y;
-        }
+        const int32_t *a0 = acc + r * K;
+        combine_digit_row(a0, a0 + plane, a0 + 2 * plane, K, shift[r], rowsum ? (double)z * rowsum[r] : 0.0,
+                          rowsum ? (double)z * rowsum[R + r] : 0.0, rowsum ? (double)z * rowsum[2 * R + r] : 0.0,
+                          mask ? mask + r * K : 0, out + r * K);
     }
 }
