@@ -220,35 +220,12 @@ def test_grad_gemm_is_validated_and_configurable():
     assert "grad_gemm=fp32" in repr(model)
 
 
-def test_compiled_backward_runs_the_same_kernels_bit_for_bit():
-    # under torch.compile the backward graph holds one intqat::digit_matmul node, which runs the
-    # eager path's kernels when the compiled program runs: the same bits
-    M, K, N = 128, 512, 1024
-    assert digits_pay(M, K, N)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(M, K, generator=g).requires_grad_()
-    W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
-    b = torch.zeros(N, requires_grad=True)
-    s_x, z_x = torch.tensor([0.02]), torch.tensor([3.0])
-    weight_out = torch.randn(M, N, generator=g)
-
-    def step(x, W, b):
-        return (int_linear(x, W, b, s_x, z_x, None) * weight_out).sum()
-
-    torch._dynamo.reset()  # the other kernel_path's graph must not be reused: its backward chose differently
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    grads_compiled = torch.autograd.grad(compiled(x, W, b), [x, W, b])
-    grads_eager = torch.autograd.grad(step(x, W, b), [x, W, b])
-    for c, e in zip(grads_compiled, grads_eager):
-        assert torch.equal(c, e), (c.shape, (c - e).abs().max())
-
-
-def test_inductor_compiles_the_digit_backward(kernel_path):
-    # with inductor too: the digit GEMMs give the eager bits (the opaque op runs the same kernels);
-    # fp32 GEMMs and grad_b's sum, which inductor may reorder, agree to fp32 rounding
+def _loss_of_a_digit_layer(seed):
+    """(loss fn of (x, W, b), leaf inputs) for an int_linear whose backward takes the digit GEMM;
+    dynamo reset first: the other kernel_path's compiled graph chose its backward differently."""
     M, K, N = 128, 512, 1024
     assert digits_pay(M, K, N, grad="x")
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).requires_grad_()
     W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
     b = torch.zeros(N, requires_grad=True)
@@ -259,6 +236,24 @@ def test_inductor_compiles_the_digit_backward(kernel_path):
         return (int_linear(x, W, b, s_x, z_x, None) * weight_out).sum()
 
     torch._dynamo.reset()
+    return step, (x, W, b)
+
+
+def test_compiled_backward_runs_the_same_kernels_bit_for_bit():
+    # under torch.compile the backward graph holds one intqat::digit_matmul node, which runs the
+    # eager path's kernels when the compiled program runs: the same bits
+    step, (x, W, b) = _loss_of_a_digit_layer(seed=5)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    grads_compiled = torch.autograd.grad(compiled(x, W, b), [x, W, b])
+    grads_eager = torch.autograd.grad(step(x, W, b), [x, W, b])
+    for c, e in zip(grads_compiled, grads_eager):
+        assert torch.equal(c, e), (c.shape, (c - e).abs().max())
+
+
+def test_inductor_compiles_the_digit_backward(kernel_path):
+    # with inductor too: the digit GEMMs give the eager bits (the opaque op runs the same kernels);
+    # fp32 GEMMs and grad_b's sum, which inductor may reorder, agree to fp32 rounding
+    step, (x, W, b) = _loss_of_a_digit_layer(seed=7)
     gx_c, gw_c, gb_c = torch.autograd.grad(torch.compile(step, fullgraph=True)(x, W, b), [x, W, b])
     gx_e, gw_e, gb_e = torch.autograd.grad(step(x, W, b), [x, W, b])
     assert torch.equal(gx_c, gx_e)
