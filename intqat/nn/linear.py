@@ -16,13 +16,12 @@ from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_linear import (
     int_linear,
-    integer_epilogue,
+    integer_linear,
     quantize_activation,
     quantize_weight,
     rounded_zero_point,
     weight_colsum,
 )
-from intqat.ops.int_mm import int_mm
 from intqat.ops.quant import quantize
 from intqat.nn.fake_quantize import fake_quantize_ste
 
@@ -194,8 +193,7 @@ def _apply(x, q_w, w_colsum, w_scale, bias, x_scale, z_x, x_qmin, x_qmax, x_dyna
         q_x, _, s_x = quantize_activation(x2d, x_scale, z_x, x_qmin, x_qmax, x_dynamic, need_mask=False)
     if x_dynamic:
         z_x = w_colsum = None  # symmetric per-token codes: no zero-point correction
-    acc = int_mm(q_x, q_w.t())
-    y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, None if bias is None else bias.detach())
+    y = integer_linear(q_x, q_w, z_x, w_colsum, s_x, w_scale, None if bias is None else bias.detach())
     return y.reshape(*lead, q_w.shape[0])
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "combine_digits",
     "amx_available",
     "amx_digit_matmul",
+    "amx_linear",
     "scratch",
 ]
 
@@ -77,6 +78,10 @@ _SIGNATURES = {
     "intqat_amx_pack_b": [_P, _I, _I, _I, _I, _I, _P],
     # digits, R, ld, bpack, K, shift, rowsum, z, mask, out
     "intqat_amx_digit_gemm": [_P, _I, _I, _P, _I, _P, _P, ctypes.c_int32, _P, _P],
+    # (amx_linear.c) q, N, K, q row stride, Kp, Np, bpack
+    "intqat_amx_pack_bt": [_P, _I, _I, _I, _I, _I, _P],
+    # q_x, q_x tail, M, lda, bpack, Kp, N, z_x, colsum, s_x, sx_stride, s_w, bias, y
+    "intqat_amx_linear": [_P, _P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -85,7 +90,7 @@ _load_tried = False
 _disabled_depth = 0
 
 
-_SOURCES = ("fused.c", "amx_digits.c")  # compiled together into one library
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c")  # compiled together into one library
 
 
 def _sources() -> list[Path]:
@@ -412,3 +417,32 @@ def amx_digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tens
     _lib.intqat_amx_digit_gemm(digits.data_ptr(), R, ld, bpack.data_ptr(), K, shift.data_ptr(), _ptr(rowsum),
                                int(z), _ptr(mask), out.data_ptr())
     return out
+
+
+def amx_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale: Tensor,
+               bias: Tensor | None) -> Tensor:
+    """`epilogue(torch._int_mm(q_x, q_wᵀ), ...)` in one pass on AMX tiles: the same bits, no int32
+    accumulator in memory. q_x int8 (M, K), q_w int8 (N, K), both row-major; s_x (M,) or one value;
+    colsum (N,) int32 or None (no zero-point correction). Call only if `amx_available()`."""
+    M, K = q_x.shape
+    N = q_w.shape[0]
+    Kp, Np = -(-K // AMX_DEPTH) * AMX_DEPTH, -(-N // AMX_COLS) * AMX_COLS
+    tail = None
+    if Kp != K:  # tile rows are Kp bytes: copy into a padded buffer (its pad meets zero rows of B)
+        a = scratch("amx_a", (-(-M // AMX_ROWS) * AMX_ROWS, Kp), torch.int8)
+        a[:M, :K].copy_(q_x)
+    else:
+        a = q_x
+        if M % AMX_ROWS:  # the last, partial row block is read from a 32-row copy, not past q_x's end
+            tail = scratch("amx_a_tail", (AMX_ROWS, Kp), torch.int8)
+            tail[: M % AMX_ROWS].copy_(q_x[M - M % AMX_ROWS:])
+    bpack = scratch("amx_bt", (Np * Kp,), torch.int8)
+    _lib.intqat_amx_pack_bt(q_w.data_ptr(), N, K, q_w.stride(0), Kp, Np, bpack.data_ptr())
+    s_x = _fp32_contiguous(s_x)
+    s_w = _fp32_contiguous(w_scale)
+    b = None if bias is None else _fp32_contiguous(bias)
+    cs = None if colsum is None else colsum.to(torch.int32).contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    _lib.intqat_amx_linear(a.data_ptr(), _ptr(tail), M, a.stride(0), bpack.data_ptr(), Kp, N, int(z_x), _ptr(cs),
+                           s_x.data_ptr(), 1 if s_x.numel() > 1 else 0, s_w.data_ptr(), _ptr(b), y.data_ptr())
+    return y

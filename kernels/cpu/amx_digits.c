@@ -24,10 +24,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"    /* INTQAT_HAVE_AMX, configure_tiles, amx_block_32x32 */
 #include "digits.h" /* combine_digit_row */
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#include <immintrin.h>
+#ifdef INTQAT_HAVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -41,39 +41,34 @@ int intqat_amx_available(void) {
     return state;
 }
 
-/* Palette 1, every tile 16 rows x 64 bytes: 0-3 accumulators (16x16 int32), 4-5 digits, 6-7 codes. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static void configure_tiles(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int i = 0; i < 8; ++i) { cfg.colsb[i] = 64; cfg.rows[i] = 16; }
-    _tile_loadconfig(&cfg);
-}
-
 /* q (C, K) row-major, row stride qs -> bpack (ld / 4 groups, Kp / 16 blocks, 64 bytes): for each
  * 16-column block kb and each group of 4 contraction rows cg, 64 bytes [n][i] = q[4 cg + i][16 kb + n]
  * (0 past C or K). A B tile (64 contraction rows x 16 columns) is then 16 consecutive groups: one
  * load with stride 64. ld % 64 == 0, ld >= C; Kp % 32 == 0, Kp >= K. */
 void intqat_amx_pack_b(const int8_t *q, int64_t C, int64_t K, int64_t qs, int64_t ld, int64_t Kp, int8_t *bpack) {
-    const int64_t groups = ld / 4;
+    const int64_t groups = ld / 4, blocks = Kp / 16;
+    /* Four rows x 64 columns at a time: four full cache lines in, the 64-byte groups of four
+     * column blocks out. Byte and word unpacks interleave the rows within each 128-bit lane
+     * (lane L = block kb + L), two 128-bit shuffles gather each block's four lanes. */
 #pragma omp parallel for schedule(static)
-    for (int64_t kb = 0; kb < Kp / 16; ++kb) {
-        int8_t *dst = bpack + kb * groups * 64;
-        for (int64_t cg = 0; cg < groups; ++cg) {
-            int8_t *g = dst + cg * 64;
-            for (int i = 0; i < 4; ++i) {
-                const int64_t c = 4 * cg + i;
-                for (int n = 0; n < 16; ++n) {
-                    const int64_t k = 16 * kb + n;
-                    g[n * 4 + i] = (c < C && k < K) ? q[c * qs + k] : 0;
-                }
-            }
+    for (int64_t cg = 0; cg < groups; ++cg) {
+        __m512i r[4];
+        for (int i = 0; i < 4; ++i) r[i] = _mm512_setzero_si512();
+        for (int64_t kq = 0; kq < blocks; kq += 4) {
+            const int64_t k0 = 16 * kq;
+            const __mmask64 cols = k0 + 64 <= K ? ~(__mmask64)0 : (k0 < K ? ((__mmask64)1 << (K - k0)) - 1 : 0);
+            for (int i = 0; i < 4; ++i)
+                if (4 * cg + i < C) r[i] = _mm512_maskz_loadu_epi8(cols, q + (4 * cg + i) * qs + k0);
+            const __m512i t0 = _mm512_unpacklo_epi8(r[0], r[1]), t1 = _mm512_unpackhi_epi8(r[0], r[1]);
+            const __m512i t2 = _mm512_unpacklo_epi8(r[2], r[3]), t3 = _mm512_unpackhi_epi8(r[2], r[3]);
+            const __m512i o0 = _mm512_unpacklo_epi16(t0, t2), o1 = _mm512_unpackhi_epi16(t0, t2); /* n 0-3, 4-7 */
+            const __m512i o2 = _mm512_unpacklo_epi16(t1, t3), o3 = _mm512_unpackhi_epi16(t1, t3); /* n 8-11, 12-15 */
+            const __m512i u0 = _mm512_shuffle_i64x2(o0, o1, 0x44), u1 = _mm512_shuffle_i64x2(o0, o1, 0xEE);
+            const __m512i u2 = _mm512_shuffle_i64x2(o2, o3, 0x44), u3 = _mm512_shuffle_i64x2(o2, o3, 0xEE);
+            const __m512i v[4] = {_mm512_shuffle_i64x2(u0, u2, 0x88), _mm512_shuffle_i64x2(u0, u2, 0xDD),
+                                  _mm512_shuffle_i64x2(u1, u3, 0x88), _mm512_shuffle_i64x2(u1, u3, 0xDD)};
+            for (int L = 0; L < 4 && kq + L < blocks; ++L)
+                _mm512_storeu_si512(bpack + ((kq + L) * groups + cg) * 64, v[L]);
         }
     }
 }
@@ -90,25 +85,9 @@ void intqat_amx_digit_gemm(const int8_t *digits, int64_t R, int64_t ld, const in
 #pragma omp for schedule(static) collapse(2)
         for (int64_t rb = 0; rb < row_blocks; ++rb) {
             for (int64_t cb = 0; cb < col_blocks; ++cb) {
-                const int8_t *b0 = bpack + (2 * cb) * groups * 64, *b1 = b0 + groups * 64;
-                for (int j = 0; j < 3; ++j) {
-                    const int8_t *a0 = digits + j * plane + rb * 32 * C, *a1 = a0 + 16 * C;
-                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                    for (int64_t c = 0; c < C; c += 64) {
-                        _tile_loadd(4, a0 + c, C);
-                        _tile_loadd(5, a1 + c, C);
-                        _tile_loadd(6, b0 + c * 16, 64);  /* c / 4 groups of 64 bytes */
-                        _tile_loadd(7, b1 + c * 16, 64);
-                        _tile_dpbssd(0, 4, 6);
-                        _tile_dpbssd(1, 4, 7);
-                        _tile_dpbssd(2, 5, 6);
-                        _tile_dpbssd(3, 5, 7);
-                    }
-                    _tile_stored(0, &acc[j][0][0], 128);
-                    _tile_stored(1, &acc[j][0][16], 128);
-                    _tile_stored(2, &acc[j][16][0], 128);
-                    _tile_stored(3, &acc[j][16][16], 128);
-                }
+                const int8_t *b0 = bpack + (2 * cb) * groups * 64;
+                for (int j = 0; j < 3; ++j)
+                    amx_block_32x32(digits + j * plane + rb * 32 * C, C, b0, C, acc[j]);
                 /* the combine of fused.c's intqat_combine_digits, on this block */
                 const int rows = R - rb * 32 < 32 ? (int)(R - rb * 32) : 32;
                 const int cols = K - cb * 32 < 32 ? (int)(K - cb * 32) : 32;

@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "epilogue.h" /* epilogue_row */
+
 #define OMP_FOR _Pragma("omp parallel for schedule(static)")
 
 /* One code: q = clamp(nearbyint(x * inv) + z, qmin, qmax) as float; r is the value before clamp. */
@@ -113,25 +115,12 @@ void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] = mask[i] ? g[i] : 0.0f;
 }
 
-/* The integer epilogue, acc (M, N) int32 -> y (M, N) fp32:
- *     y = float32(acc - z_x * colsum[n]) * (s_x[m * sx_stride] * s_w[n]) (+ b[n])
- * colsum may be NULL (symmetric activations), bias may be NULL. The int32 arithmetic wraps like torch's. */
+/* The integer epilogue, acc (M, N) int32 -> y (M, N) fp32, row m with activation scale s_x[m * sx_stride]
+ * (epilogue.h has the expression). */
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum,
                      const float *s_x, int64_t sx_stride, const float *s_w, const float *bias, float *y) {
     OMP_FOR
-    for (int64_t m = 0; m < M; ++m) {
-        const int32_t *am = acc + m * N;
-        float *ym = y + m * N;
-        const float sx = s_x[m * sx_stride];
-        for (int64_t n = 0; n < N; ++n) {
-            int32_t a = am[n];
-            if (colsum) a = (int32_t)((uint32_t)a - (uint32_t)z_x * (uint32_t)colsum[n]);
-            const float sc = sx * s_w[n];
-            float v = (float)a * sc;
-            if (bias) v = v + bias[n];
-            ym[n] = v;
-        }
-    }
+    for (int64_t m = 0; m < M; ++m) epilogue_row(acc + m * N, N, z_x, colsum, s_x[m * sx_stride], s_w, bias, y + m * N);
 }
 
 /* Dequantize q (rows, cols) int8 -> fp32: (float(q) - z) * scale[i * scale_stride]; scale NULL means
