@@ -2,6 +2,7 @@
 
     intqat-bench ops                 int_mm and one linear layer (M=256, K=N=1024)
     intqat-bench modules             train steps of an MLP and a CNN, peak memory, deploy mismatch
+    intqat-bench modules --loop-optimizer   the same with Adam's per-parameter loop (torch's default)
     intqat-bench all --json out.json both, and the raw numbers (every repeat) as JSON
     intqat-bench ops --quick         a seconds-long smoke run on small shapes (numbers not meaningful)
     intqat-bench export              exported mixed-precision program vs fp32 eager (digits MLP)
@@ -38,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--quick", action="store_true", help="small shapes, 2 repeats: a smoke run (numbers not meaningful)")
         sp.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
         sp.add_argument("--json", metavar="PATH", default=None, help="also write the results (every repeat) as JSON")
+        if name in ("modules", "all"):
+            sp.add_argument("--loop-optimizer", action="store_true",
+                            help="time Adam's default per-parameter loop instead of the recipes' fused Adam")
         if name in ("ops", "all", "profile"):
             sp.add_argument("-M", type=int, default=None, help="rows of x (tokens); default 256")
             sp.add_argument("-K", type=int, default=None, help="in features; default 1024")
@@ -57,6 +61,7 @@ def _modules_settings(args):
     from intqat.bench.modules import ModulesSettings
 
     s = ModulesSettings.quick() if args.quick else ModulesSettings()
+    s = replace(s, fused_optimizer=not args.loop_optimizer)
     return replace(s, repeats=args.repeats) if args.repeats is not None else s
 
 

@@ -1,4 +1,4 @@
-"""ClassificationModule: any classifier nn.Module + cross-entropy + Adam/SGD, for Lightning.
+"""ClassificationModule: any classifier nn.Module + cross-entropy + Adam/SGD (fused), for Lightning.
 
     module = ClassificationModule({"_target_": "intqat.models.MLP", "hidden": [128, 128]}, lr=1e-3)
     trainer.fit(module, datamodule=DigitsDataModule())
@@ -26,9 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["ClassificationModule"]
+from intqat.training.optimizers import OPTIMIZERS, build_optimizer
 
-OPTIMIZERS = ("adam", "adamw", "sgd")
+__all__ = ["ClassificationModule"]
 SCHEDULERS = (None, "none", "cosine")
 
 
@@ -63,6 +63,7 @@ class ClassificationModule(L.LightningModule):
         weight_decay: float = 0.0,
         momentum: float = 0.9,
         scheduler: str | None = "cosine",
+        fused_optimizer: bool = True,
     ):
         super().__init__()
         if optimizer not in OPTIMIZERS:
@@ -120,12 +121,11 @@ class ClassificationModule(L.LightningModule):
     # -- optimization ------------------------------------------------------------------------
     def configure_optimizers(self):
         hp = self.hparams
-        if hp.optimizer == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, weight_decay=hp.weight_decay,
-                                  nesterov=hp.momentum > 0)
-        else:
-            cls = torch.optim.Adam if hp.optimizer == "adam" else torch.optim.AdamW
-            opt = cls(self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay)
+        # fp16 AMP unscales inside a fused step, and Lightning then refuses gradient clipping: keep
+        # torch's default implementation there (bf16 and fp32 need no scaler)
+        fp16_amp = self._trainer is not None and str(self.trainer.precision).startswith("16")
+        opt = build_optimizer(self.parameters(), hp.optimizer, lr=hp.lr, weight_decay=hp.weight_decay,
+                              momentum=hp.momentum, fused=hp.get("fused_optimizer", True) and not fp16_amp)
         if hp.scheduler in (None, "none"):
             return opt
         # per step over the whole run: QAT's integer stage at the end trains at a small lr
