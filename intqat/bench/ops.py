@@ -228,8 +228,9 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "excluded); lower is better.",
         "int_linear rows: the functional op with w_scale=None, i.e. min-max per-channel weight scales computed inside "
         "the op at each call (as IntLinear does); static = per-tensor asymmetric x_scale/zero point fixed from x. "
-        "grad_x runs as the int8 digit GEMM (grad_gemm='int8x3', the default), grad_w as an fp32 GEMM; the "
-        "grad_gemm=fp32 row keeps both backward GEMMs in fp32. "
+        "Where they pay (digits_pay, amx_forward_pays) the forward runs as the fused AMX kernel and grad_x / grad_w "
+        "as int8 digit GEMMs (grad_gemm='int8x3', the default; grad_w only on AMX CPUs); the grad_gemm=fp32 row "
+        "keeps both backward GEMMs in fp32. "
         "IntLinear / FakeQuantLinear: the modules, activation observer on. intqat rows use the fused CPU kernels "
         "when they are built (see the machine line).",
         "torchao FakeQuantizedLinear: int8 per-token activations (asymmetric: torchao 0.18 rejects symmetric "
