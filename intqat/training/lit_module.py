@@ -29,6 +29,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from intqat.training.optimizers import OPTIMIZERS, build_optimizer
 
 __all__ = ["ClassificationModule"]
+
 SCHEDULERS = (None, "none", "cosine")
 
 
