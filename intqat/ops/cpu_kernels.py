@@ -219,6 +219,11 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return buf[:n].view(shape)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`: the padded sizes the AMX kernels' tiles cover."""
+    return -(-n // multiple) * multiple
+
+
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -352,7 +357,7 @@ def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool, digits: Tensor
     pad_rows, pad_cols, the padding zero digits (what the AMX kernel's tiles read). digits: an int8
     buffer of at least 3 * Rp * Cp elements to fill (a `scratch` view)."""
     R, C = a.shape
-    Rp, Cp = -(-R // pad_rows) * pad_rows, -(-C // pad_cols) * pad_cols
+    Rp, Cp = _round_up(R, pad_rows), _round_up(C, pad_cols)
     if a.dtype != torch.float32:
         a = a.to(torch.float32)
     s = _fp32_contiguous(col_scale)
@@ -405,10 +410,10 @@ def amx_digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tens
     q int8 (C, K) with unit column stride, mask bool (R, K) or None. Call only if `amx_available()`."""
     R, C = a.shape
     K = q.shape[1]
-    Kp = -(-K // AMX_COLS) * AMX_COLS
+    Kp = _round_up(K, AMX_COLS)
     digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=bool(z), pad_rows=AMX_ROWS, pad_cols=AMX_DEPTH,
-                                         digits=scratch("digits", (3 * (-(-R // AMX_ROWS) * AMX_ROWS)
-                                                                   * (-(-C // AMX_DEPTH) * AMX_DEPTH),), torch.int8))
+                                         digits=scratch("digits", (3 * _round_up(R, AMX_ROWS) * _round_up(C, AMX_DEPTH),),
+                                                       torch.int8))
     ld = digits.shape[2]
     bpack = scratch("amx_b", (ld * Kp,), torch.int8)
     _lib.intqat_amx_pack_b(q.data_ptr(), C, K, q.stride(0), ld, Kp, bpack.data_ptr())
@@ -426,10 +431,10 @@ def amx_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x: T
     colsum (N,) int32 or None (no zero-point correction). Call only if `amx_available()`."""
     M, K = q_x.shape
     N = q_w.shape[0]
-    Kp, Np = -(-K // AMX_DEPTH) * AMX_DEPTH, -(-N // AMX_COLS) * AMX_COLS
+    Kp, Np = _round_up(K, AMX_DEPTH), _round_up(N, AMX_COLS)
     tail = None
     if Kp != K:  # tile rows are Kp bytes: copy into a padded buffer (its pad meets zero rows of B)
-        a = scratch("amx_a", (-(-M // AMX_ROWS) * AMX_ROWS, Kp), torch.int8)
+        a = scratch("amx_a", (_round_up(M, AMX_ROWS), Kp), torch.int8)
         a[:M, :K].copy_(q_x)
     else:
         a = q_x
