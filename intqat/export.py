@@ -451,20 +451,39 @@ class ExportResult:
 
 
 # -- AOTInductor --------------------------------------------------------------------------------------
-def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs: tuple = ()) -> dict[str, Any]:
+AOTI_INT_MM = ("auto", "native", "fp32")
+
+
+def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs: tuple = (),
+                 int_mm: str = "auto") -> dict[str, Any]:
     """Compile `program` with AOTInductor into the package `path` (this CPU's native code; ~15 s
     for the digits MLP here) and check it: on `check_inputs` its outputs must equal the program's
     (torch.equal), else ValueError and nothing is left at `path`. -> what was checked, for the report.
 
-    The integer steps stay exact: _int_mm is an extern kernel, and the float epilogue is compiled
-    without contracting multiply and add (the check holds the package to that)."""
+    int_mm: how the package runs aten._int_mm. "native": as is (oneDNN / the int8 units). "fp32":
+    decomposed into exact fp32 GEMMs of K slices <= 1024 (`int_mm_via_fp32`, same bits): on a CPU
+    without int8 dot products, where _int_mm is a scalar loop ~50x slower than an fp32 GEMM.
+    "auto" (default): "fp32" exactly where this CPU has no int8 dot-product units (the package is
+    this CPU's code anyway). The portable model.pt2 always keeps aten._int_mm.
+
+    The integer steps stay exact, and the float epilogue is compiled without contracting multiply
+    and add (the check holds the package to that)."""
     import torch._inductor
 
+    from intqat.ops.backends.fp32_exact import int_mm_via_fp32
+    from intqat.ops.cpu_features import cpu_has_int8_dot
+
+    if int_mm not in AOTI_INT_MM:
+        raise ValueError(f"compile_aoti: int_mm={int_mm!r}; choose one of {AOTI_INT_MM}")
+    decompose = int_mm == "fp32" or (int_mm == "auto" and not cpu_has_int8_dot())
     path = Path(path)
     try:
+        if decompose:
+            program = program.run_decompositions({torch.ops.aten._int_mm.default: int_mm_via_fp32})
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
         if not check_inputs:
-            return {"checked_equal_on": None}
+            return {"checked_equal_on": None,
+                    "int_mm": "exact fp32 GEMMs (no int8 dot-product units)" if decompose else "aten._int_mm"}
         runner = torch._inductor.aoti_load_package(str(path))
         with torch.no_grad():
             expected, got = program.module()(*check_inputs), runner(*check_inputs)
@@ -472,7 +491,8 @@ def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs
         if not pairs or not all(torch.equal(a, b) for a, b in pairs):
             worst = max(float((a.float() - b.float()).abs().max()) for a, b in pairs) if pairs else float("nan")
             raise ValueError(f"AOTInductor package differs from the exported program (max |Δ| {worst:.3g}); not kept")
-        return {"checked_equal_on": [f"{tuple(a.shape)} {a.dtype}" for a in check_inputs if isinstance(a, Tensor)]}
+        return {"checked_equal_on": [f"{tuple(a.shape)} {a.dtype}" for a in check_inputs if isinstance(a, Tensor)],
+                "int_mm": "exact fp32 GEMMs (no int8 dot-product units)" if decompose else "aten._int_mm"}
     except BaseException:
         path.unlink(missing_ok=True)
         raise

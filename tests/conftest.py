@@ -37,3 +37,15 @@ import torch  # noqa: E402
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which backends this machine ran and which it could not: a suite that passes on one CPU
+    proves that CPU (tests/test_backends.py checks every runnable backend against the reference)."""
+    from intqat.ops import backends
+    from intqat.ops.cpu_features import cpu_class, cpu_info
+
+    terminalreporter.write_sep("-", f"intqat backends on this CPU ({cpu_info()[0]}; class: {cpu_class()})")
+    for name, needs, reason in backends.summary():
+        status = "runs here" if reason is None else f"NOT RUN here: {reason}"
+        terminalreporter.write_line(f"  {name:<11} {status}  (needs: {needs})")

@@ -14,7 +14,8 @@ from torch import nn
 
 import intqat
 from intqat.ops import cpu_kernels
-from intqat.ops.int_linear import amx_forward_pays
+from intqat.ops import backends
+from intqat.ops.backends import amx_forward_pays
 
 needs_amx = pytest.mark.skipif(not cpu_kernels.amx_available(), reason="this CPU (or the fused-kernel build) has no AMX")
 
@@ -75,11 +76,12 @@ def test_sums_are_exact_over_a_long_contraction():
 @pytest.mark.parametrize("M,K,N,expected", [(256, 1024, 1024, True), (32, 1024, 1024, True),
                                             (2048, 1024, 1024, False), (256, 1024, 10, False),
                                             (64, 256, 256, False)])
-def test_the_fused_forward_is_taken_where_it_was_measured_to_pay(M, K, N, expected, monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: True)
+def test_the_fused_forward_is_taken_where_it_was_measured_to_pay(M, K, N, expected):
     assert amx_forward_pays(M, K, N) is expected
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
-    assert amx_forward_pays(M, K, N) is False
+    assert (backends.get("amx").slow("linear", (M, K, N)) is None) is expected
+    q_x, q_w = torch.zeros(M, K, dtype=torch.int8), torch.zeros(N, K, dtype=torch.int8)
+    chosen = backends.select("linear", q_x, q_w, shape=(M, K, N), record=False).name
+    assert (chosen == "amx") is (expected and backends.unavailable("amx") is None)
 
 
 @needs_amx
@@ -100,7 +102,7 @@ def test_training_eval_and_exported_forward_agree_when_the_layer_runs_on_amx(pre
     model.eval()
     with torch.no_grad():
         y_eval = model(x)
-        with cpu_kernels.disabled():
+        with backends.use_backend("cpu_fused"):
             y_int_mm = model(x)
     assert torch.equal(y_train.detach(), y_eval) and torch.equal(y_eval, y_int_mm)
     deployed = intqat.to_deployed(model)

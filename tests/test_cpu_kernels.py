@@ -14,7 +14,7 @@ import torch
 
 from intqat.nn.quantizers import WeightQuantizer
 from intqat.config import PRESETS
-from intqat.ops import cpu_kernels, dequantize, int_linear, quantize, quantize_with_mask
+from intqat.ops import backends, cpu_kernels, dequantize, int_linear, quantize, quantize_with_mask
 from intqat.ops.int_linear import (
     _int_linear_op,
     integer_epilogue,
@@ -29,7 +29,7 @@ from intqat.ops.qparams import SCALE_EPS
 def both(fn):
     """(fused result, reference result)."""
     fused = fn()
-    with cpu_kernels.disabled():
+    with backends.use_backend("reference"):
         ref = fn()
     return fused, ref
 
@@ -49,9 +49,9 @@ def assert_same(a, b):
 def test_kernels_are_built_here():
     # the comparisons below are vacuous without the library: on this machine it must build
     assert cpu_kernels.available()
-    assert cpu_kernels.usable(torch.ones(2))
-    with cpu_kernels.disabled():
-        assert not cpu_kernels.usable(torch.ones(2))
+    assert backends.select("quantize_rows", torch.ones(2), record=False).name == "cpu_fused"
+    with cpu_kernels.disabled():  # the kernels off (as without a compiler): the table falls through
+        assert backends.select("quantize_rows", torch.ones(2), record=False).name == "reference"
 
 
 SHAPES = [(1, 1), (1, 7), (5, 1), (33, 65), (128, 257), (0, 4), (3, 0)]

@@ -14,25 +14,24 @@ import torch
 
 import intqat
 from intqat.config import resolve_config
-from intqat.ops import cpu_kernels, int_linear
+from intqat.ops import backends, cpu_kernels, int_linear
 from intqat.ops import digit_gemm
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay, split_digits
 
 needs_fused = pytest.mark.skipif(not cpu_kernels.available(), reason="fused CPU kernels need a C compiler")
 
 
-@pytest.fixture(autouse=True, params=["amx", "int_mm"])
-def kernel_path(request, monkeypatch):
+@pytest.fixture(autouse=True, params=["amx", "cpu_fused"])
+def kernel_path(request):
     """The digit path runs on any CPU; int_linear takes it only where int8 dot-product units make it
-    pay. Pretend they are there, so these tests check the same paths on every machine. "amx": the
-    AMX kernel (skipped, and said so, on a CPU or kernel build without it); "int_mm": AMX switched off."""
-    monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: True)
-    if request.param == "amx":
-        if not cpu_kernels.amx_available():
-            pytest.skip("this CPU (or the fused-kernel build) has no AMX")
-    else:
-        monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
-    return request.param
+    pay. Each test runs with one digit backend forced (`use_backend`, slow or not on this CPU), so the
+    same paths are checked on every machine: "amx" (AMX tiles; skipped, and said so, on a CPU or
+    kernel build without them) and "cpu_fused" (split and combine in C around torch._int_mm)."""
+    reason = backends.unavailable(request.param)
+    if reason is not None:
+        pytest.skip(f"backend {request.param} cannot run here: {reason}")
+    with backends.use_backend(request.param):
+        yield request.param
 
 
 def _operands(R, C, K, seed=0):
@@ -46,7 +45,7 @@ def _operands(R, C, K, seed=0):
 
 def _both(a, col_scale, q, z, mask):
     fused = digit_matmul(a, col_scale, q, z, mask)
-    with cpu_kernels.disabled():
+    with backends.use_backend("reference"):
         ref = digit_matmul(a, col_scale, q, z, mask)
     return fused, ref
 
@@ -91,7 +90,7 @@ def test_error_bound_is_the_split_alone(fused):
     """|y - exact| <= 2^-(t+15) * sum_c |q - z| (the split's residual) + half an fp32 ulp of exact."""
     a, s, q = _operands(48, 700, 40, seed=3)
     z = 7
-    ctx = cpu_kernels.disabled() if not fused else torch.no_grad()
+    ctx = backends.use_backend("reference") if not fused else torch.no_grad()
     with ctx:
         y = digit_matmul(a, s, q, z)
         _, shift, _ = split_digits(a, s, need_rowsum=False)
@@ -109,7 +108,7 @@ def test_exactly_representable_operand_gives_the_correctly_rounded_product():
     a = torch.randint(-127, 128, (16, 96), generator=g).float() * torch.exp2(torch.randint(-9, 9, (16, 1), generator=g).float())
     q = torch.randint(-128, 128, (96, 24), dtype=torch.int8, generator=g)
     one = torch.ones(96)
-    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+    for ctx in (torch.no_grad(), backends.use_backend("reference")):
         with ctx:
             y = digit_matmul(a, one, q, -3)
         assert torch.equal(y, (a.double() @ (q.double() + 3)).float())
@@ -123,7 +122,7 @@ def test_nonfinite_rows_give_nan_and_zero_rows_zero():
     mask = torch.ones(6, 8, dtype=torch.bool)
     mask[1, :4] = False
     column_major = a.t().contiguous().t()  # gᵀ of a contiguous g, as in the grad_w GEMM
-    for ctx, operand in ((torch.no_grad(), a), (torch.no_grad(), column_major), (cpu_kernels.disabled(), a)):
+    for ctx, operand in ((torch.no_grad(), a), (torch.no_grad(), column_major), (backends.use_backend("reference"), a)):
         with ctx:
             y = digit_matmul(operand, s, q, 2, mask)
         assert y[1, :4].eq(0).all() and y[1, 4:].isnan().all()  # the clip mask still zeroes
@@ -137,7 +136,7 @@ def test_extreme_magnitudes_keep_their_grid():
     a = torch.tensor([[1e-38, -3e-39, 2e-38], [3e38, -1e38, 2e38]])
     q = torch.tensor([[1], [1], [1]], dtype=torch.int8)
     exact = _exact(a, torch.ones(3), q, 0).float()
-    for ctx in (torch.no_grad(), cpu_kernels.disabled()):
+    for ctx in (torch.no_grad(), backends.use_backend("reference")):
         with ctx:
             y = digit_matmul(a, torch.ones(3), q, 0)
         torch.testing.assert_close(y[0], exact[0], rtol=1e-6, atol=0)
@@ -188,16 +187,16 @@ def test_int_linear_digit_backward_matches_fp32_backward(dynamic, kernel_path):
         assert torch.equal(gw8, gw32)
 
 
-def test_small_layers_and_cpus_without_int8_dot_units_keep_fp32_gemms(monkeypatch, kernel_path):
+def test_small_layers_and_cpus_without_int8_dot_units_keep_fp32_gemms(kernel_path):
     for grad in ("x", "w"):
         assert not digits_pay(64, 128, 128, grad=grad)
     # a short batch: grad_w's contraction; on AMX the output write dominates grad_x as well
     assert not digits_pay(32, 1024, 1024, grad="w")
-    assert digits_pay(32, 1024, 1024, grad="x") == (kernel_path == "int_mm")
-    monkeypatch.setattr(digit_gemm, "cpu_has_int8_dot", lambda: False)
-    monkeypatch.setattr(cpu_kernels, "amx_available", lambda: False)
-    assert not digits_pay(256, 1024, 1024) and not digits_pay(256, 1024, 1024, grad="w")
-    monkeypatch.undo()
+    assert digits_pay(32, 1024, 1024, grad="x") == (kernel_path == "cpu_fused")
+    # a CPU without int8 dot products: its digit GEMM (fp32_exact) would be three fp32 GEMMs; the reference never pays
+    for name in ("fp32_exact", "reference"):
+        with backends.use_backend(name):
+            assert not digits_pay(256, 1024, 1024) and not digits_pay(256, 1024, 1024, grad="w")
     for a, b in zip(_linear_grads("int8x3", 64, 128, 128, False), _linear_grads("fp32", 64, 128, 128, False)):
         assert torch.equal(a, b)
 

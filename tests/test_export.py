@@ -400,3 +400,25 @@ def test_compile_aoti_keeps_nothing_when_the_package_differs(tmp_path, monkeypat
     with pytest.raises(ValueError, match="differs from the exported program"):
         export_mod.compile_aoti(result.program, target, result.check_inputs)
     assert not target.exists()
+
+
+def test_aoti_package_for_cpus_without_int8_dot_units_decomposes_int_mm_exactly(tmp_path):
+    """int_mm="fp32" (what "auto" picks on a CPU without int8 dot products, where aten._int_mm is a
+    scalar loop): the package computes _int_mm as exact fp32 GEMMs of K slices <= 1024. A layer with
+    K = 1500 (two slices) and codes at their extremes: the package equals the program (compile_aoti
+    checks it with torch.equal before keeping it), and the decomposed graph holds no _int_mm."""
+    from intqat.export import compile_aoti
+    from intqat.ops.backends.fp32_exact import int_mm_via_fp32
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 1500) * 3
+    model = intqat.prepare_qat(nn.Sequential(nn.Linear(1500, 24), nn.ReLU(), nn.Linear(24, 5)), "w8a8")
+    intqat.calibrate(model, [(x,)])
+    result = export_mixed_precision(intqat.to_integer(model), (x[:2],), validation_data=[(x,)])
+    decomposed = result.program.run_decompositions({torch.ops.aten._int_mm.default: int_mm_via_fp32})
+    targets = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    assert not any("_int_mm" in t for t in targets) and any("mm" in t for t in targets)
+    report = compile_aoti(result.program, tmp_path / "m.aoti.pt2", (x,), int_mm="fp32")
+    assert report["checked_equal_on"] and report["int_mm"].startswith("exact fp32")
+    with pytest.raises(ValueError, match="int_mm='bf16'"):
+        compile_aoti(result.program, tmp_path / "n.aoti.pt2", (x,), int_mm="bf16")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from intqat.ops import int_linear, lsq_grad_factor, quantize, rounded_zero_point
+from intqat.ops import backends, int_linear, lsq_grad_factor, quantize, rounded_zero_point
 
 
 def _rel(a, b):
@@ -164,16 +164,17 @@ def test_bad_ranges():
         int_linear(torch.randn(2, 3), torch.randn(2, 3), None, torch.ones(1), torch.zeros(1), torch.ones(2), x_qmin=-300)
 
 
-def test_triton_backend_matches_cpu(monkeypatch):
+def test_triton_backend_matches_cpu():
     """The Triton forward + backward kernels (interpreter here) against the CPU path."""
     x, W, b, s_x, z_x, s_w = _problem(M=20, K=40, N=12, learn=True)
     tensors = [x, W, b, s_x, z_x, s_w]
     y_cpu = int_linear(x, W, b, s_x, z_x, s_w)
     g = torch.randn_like(y_cpu)
     grads_cpu = torch.autograd.grad(y_cpu, tensors, g)
-    monkeypatch.setenv("INTQAT_BACKEND", "triton")
-    y_tri = int_linear(x, W, b, s_x, z_x, s_w)
-    grads_tri = torch.autograd.grad(y_tri, tensors, g)
+    with backends.use_backend("triton"), backends.recording() as ran:
+        y_tri = int_linear(x, W, b, s_x, z_x, s_w)
+        grads_tri = torch.autograd.grad(y_tri, tensors, g)
+    assert ran[("linear", "triton")] == 1 and ran[("ste_grad_input", "triton")] == 1
     # epilogue: within 1 ulp (a Triton epilogue may contract the multiply-add into an FMA)
     ulp = torch.nextafter(y_cpu.abs(), torch.tensor(float("inf"))) - y_cpu.abs()
     assert torch.all((y_tri - y_cpu).abs() <= ulp)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from intqat.ops import MAX_K_INT32, int_mm
+from intqat.ops import MAX_K_INT32, backends, int_mm
 
 
 def _ref(a, b):
@@ -83,18 +83,24 @@ def test_device_mismatch():
         int_mm(a, b)
 
 
-def test_backend_env_is_validated(monkeypatch):
-    monkeypatch.setenv("INTQAT_BACKEND", "cuda-please")
-    with pytest.raises(ValueError, match="INTQAT_BACKEND"):
-        int_mm(_rand(2, 2), _rand(2, 2))
+def test_backend_env_is_validated():
+    """INTQAT_BACKEND is read once, at import: a bad name fails the import, naming the choices."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "INTQAT_BACKEND": "cuda-please"}
+    r = subprocess.run([sys.executable, "-c", "import intqat"], env=env, capture_output=True, text=True)
+    assert r.returncode != 0 and "INTQAT_BACKEND='cuda-please'" in r.stderr and "fp32_exact" in r.stderr
 
 
-def test_triton_backend_bit_identical(monkeypatch):
+def test_triton_backend_bit_identical():
     """The Triton kernel (interpreter on this CPU) gives the CPU path's int32 result exactly."""
-    monkeypatch.setenv("INTQAT_BACKEND", "triton")
-    for M, K, N in [(1, 7, 3), (19, 33, 21), (40, 64, 16)]:
-        a, b = _rand(M, K), _rand(N, K).t()
-        assert torch.equal(int_mm(a, b), torch._int_mm(a, b.contiguous()))
+    with backends.use_backend("triton"), backends.recording() as ran:
+        for M, K, N in [(1, 7, 3), (19, 33, 21), (40, 64, 16)]:
+            a, b = _rand(M, K), _rand(N, K).t()
+            assert torch.equal(int_mm(a, b), torch._int_mm(a, b.contiguous()))
+    assert set(ran) == {("int_mm", "triton")}
 
 
 def test_layouts_with_size_one_dims_and_broadcast_views():

@@ -19,11 +19,11 @@ from torch import nn
 from intqat.bench import peers
 from intqat.bench.saved import saved_bytes
 from intqat.bench.table import NA, Table, fmt_bytes, fmt_num, fmt_ratio
-from intqat.bench.timing import machine_info, machine_lines, speed_ratio, time_interleaved
+from intqat.bench.timing import backends_used, machine_info, machine_lines, speed_ratio, time_interleaved
 from intqat.config import PRESETS
 from intqat.nn import FakeQuantLinear, IntLinear
 from intqat.nn.quantizers import WeightQuantizer
-from intqat.ops import choose_qparams, int_linear, int_mm
+from intqat.ops import backends, choose_qparams, int_linear, int_mm
 
 __all__ = ["run_ops", "OpsSettings", "linear_candidates"]
 
@@ -44,6 +44,7 @@ class OpsSettings:
 
 
 ANCHOR_MM = "torch._int_mm"
+FP32_EXACT = "[fp32_exact]"  # rows forced onto the no-int8-dot-product backend
 ANCHOR_LINEAR = "nn.Linear fp32"
 MEM_ANCHOR = "torchao FakeQuantizedLinear"
 
@@ -99,6 +100,13 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
 
     cands["intqat int_linear dynamic per-token"] = LinearCandidate("intqat int_linear dynamic per-token", dynamic, list(lin.parameters()))
 
+    # the backend CPUs without int8 dot-product units take (exact fp32 GEMMs of the codes), forced here so
+    # every run shows what such a CPU's intqat layer costs against fp32 on the same units
+    lin = fresh()
+    name = f"intqat int_linear static w8a8 {FP32_EXACT}"
+    cands[name] = LinearCandidate(name, _forced_backend("fp32_exact", lambda xx, lin=lin, wq=wq: static(xx, lin, wq)),
+                                  list(lin.parameters()))
+
     # the modules models actually run (observer on, as after prepare_qat)
     lin = fresh()
     fq = FakeQuantLinear.from_linear(lin, w8a8).train()
@@ -109,6 +117,12 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     il.input_quantizer.observe(x)
     il = IntLinear.from_fake_quant(il).train()
     cands["intqat IntLinear w8a8"] = LinearCandidate("intqat IntLinear w8a8", il, list(il.parameters()))
+    lin = fresh()
+    il2 = FakeQuantLinear.from_linear(lin, w8a8).train()
+    il2.input_quantizer.observe(x)
+    il2 = IntLinear.from_fake_quant(il2).train()
+    name = f"intqat IntLinear w8a8 {FP32_EXACT}"
+    cands[name] = LinearCandidate(name, _forced_backend("fp32_exact", il2), list(il2.parameters()))
 
     for name, build in (
         (MEM_ANCHOR, peers.torchao_qat),
@@ -122,6 +136,15 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
             continue
         cands[name] = LinearCandidate(name, layer, list(layer.parameters()))
     return cands, missing, x
+
+
+def _forced_backend(name: str, fn: Callable) -> Callable:
+    """fn run with backend `name` forced (slow or not on this CPU)."""
+    def run(*args):
+        with backends.use_backend(name):
+            return fn(*args)
+
+    return run
 
 
 def _clone(lin: nn.Linear) -> nn.Linear:
@@ -158,10 +181,12 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "intqat int_mm": lambda: int_mm(a, b),
         "torch._int_mm, B = Wᵀ view": lambda: torch._int_mm(a, bt),
         "intqat int_mm, B = Wᵀ view": lambda: int_mm(a, bt),
+        f"intqat int_mm, B = Wᵀ view {FP32_EXACT}": _forced_backend("fp32_exact", lambda: int_mm(a, bt)),
         "fp32 torch.mm": lambda: torch.mm(af, bf),
     }
     assert torch.equal(int_mm(a, b), torch._int_mm(a, b)) and torch.equal(int_mm(a, bt), torch._int_mm(a, bt))
     mm_t = time_interleaved(mm_cands, s.repeats, s.warmup, s.min_time)
+    mm_backends = {n: backends_used(f) for n, f in mm_cands.items()}
 
     # -- linear forward + backward -------------------------------------------------------------
     cands, missing, x = linear_candidates(M, K, N, s.seed)
@@ -170,6 +195,7 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
     lin_t = time_interleaved(
         {n: _fwd_bwd(c.layer, x, g, c.params) for n, c in cands.items()}, s.repeats, s.warmup, s.min_time
     )
+    lin_backends = {n: backends_used(_fwd_bwd(c.layer, x, g, c.params)) for n, c in cands.items()}
     saved = {}
     for n, c in cands.items():
         nbytes, y = saved_bytes(lambda c=c: c.layer(x), exclude=c.params)
@@ -177,7 +203,7 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         del y
 
     # -- table ---------------------------------------------------------------------------------
-    cols = ["candidate", "median ms", "GOP/s", "speed vs anchor", "saved/layer MiB", "saved vs torchao FQ"]
+    cols = ["candidate", "median ms", "GOP/s", "speed vs anchor", "saved/layer MiB", "saved vs torchao FQ", "backends"]
     t = Table(
         title=f"intqat-bench ops   M={M} K={K} N={N}",
         header_lines=[
@@ -193,33 +219,33 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         ratio = speed_ratio(mm_t[ANCHOR_MM], tm)
         t.add(
             [n + (" [anchor]" if n == ANCHOR_MM else ""), fmt_num(tm.median * 1e3), fmt_num(ops_mm / tm.median / 1e9),
-             fmt_ratio(ratio), "-", "-"],
+             fmt_ratio(ratio), "-", "-", mm_backends[n]],
             {"group": "int_mm", "name": n, "median_s": tm.median, "times_s": tm.times, "inner": tm.inner,
-             "gops": ops_mm / tm.median / 1e9, "speed_vs_anchor": ratio},
+             "gops": ops_mm / tm.median / 1e9, "speed_vs_anchor": ratio, "backends": mm_backends[n]},
         )
     t.group(f"linear forward+backward, x ({M}x{K}) requires grad, W ({N}x{K}) + bias; anchor {ANCHOR_LINEAR}")
     ops_lin = 3 * 2 * M * K * N  # y, grad_x, grad_w
     mem_anchor = saved.get(MEM_ANCHOR)
     order = [ANCHOR_LINEAR, "intqat int_linear static w8a8", "intqat int_linear static, grad_gemm=fp32",
-             "intqat int_linear dynamic per-token",
-             "intqat IntLinear w8a8", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
+             "intqat int_linear dynamic per-token", f"intqat int_linear static w8a8 {FP32_EXACT}",
+             "intqat IntLinear w8a8", f"intqat IntLinear w8a8 {FP32_EXACT}", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
              "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86"]
     marks = {}
     for n in order:
         label = n + (" [anchor]" if n == ANCHOR_LINEAR else "")
         if n in missing:
             marks[n] = f"[{len(marks) + 1}]"
-            t.add([f"{label} {marks[n]}", NA, NA, NA, NA, NA], {"group": "linear", "name": n, "unavailable": missing[n]})
+            t.add([f"{label} {marks[n]}", NA, NA, NA, NA, NA, NA], {"group": "linear", "name": n, "unavailable": missing[n]})
             continue
         tm = lin_t[n]
         ratio = speed_ratio(lin_t[ANCHOR_LINEAR], tm)
         mem_ratio = saved[n] / mem_anchor if mem_anchor else None
         t.add(
             [label, fmt_num(tm.median * 1e3), fmt_num(ops_lin / tm.median / 1e9), fmt_ratio(ratio),
-             fmt_bytes(saved[n]), fmt_ratio(mem_ratio)],
+             fmt_bytes(saved[n]), fmt_ratio(mem_ratio), lin_backends[n]],
             {"group": "linear", "name": n, "median_s": tm.median, "times_s": tm.times, "inner": tm.inner,
              "gops": ops_lin / tm.median / 1e9, "speed_vs_anchor": ratio, "saved_bytes": saved[n],
-             "saved_vs_torchao_fq": mem_ratio},
+             "saved_vs_torchao_fq": mem_ratio, "backends": lin_backends[n]},
         )
     t.footnotes = [
         "speed vs anchor: median over repeats of t_anchor / t_candidate (> 1 = faster). GOP/s counts 2MKN per matmul "
@@ -228,9 +254,13 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "excluded); lower is better.",
         "int_linear rows: the functional op with w_scale=None, i.e. min-max per-channel weight scales computed inside "
         "the op at each call (as IntLinear does); static = per-tensor asymmetric x_scale/zero point fixed from x. "
-        "Where they pay (digits_pay, amx_forward_pays) the forward runs as the fused AMX kernel and grad_x / grad_w "
-        "as int8 digit GEMMs (grad_gemm='int8x3', the default; grad_w only on AMX CPUs); the grad_gemm=fp32 row "
-        "keeps both backward GEMMs in fp32. "
+        "The backend table (intqat.ops.backends) picks each primitive's implementation; column 'backends' says "
+        "what ran (linear / int_mm: the forward GEMM; digit_matmul: backward GEMMs on the int8 units, "
+        "grad_gemm='int8x3' where they pay; passes: the elementwise quantize / epilogue / mask passes). The "
+        "grad_gemm=fp32 row keeps both backward GEMMs in fp32. "
+        f"{FP32_EXACT} rows force the backend CPUs without int8 dot-product units take: the integer GEMM as exact "
+        "fp32 GEMMs of the codes (K slices of <= 1024), the backward in fp32: what such a CPU's intqat layer costs "
+        "against fp32 on the same units. "
         "IntLinear / FakeQuantLinear: the modules, activation observer on. intqat rows use the fused CPU kernels "
         "when they are built (see the machine line).",
         "torchao FakeQuantizedLinear: int8 per-token activations (asymmetric: torchao 0.18 rejects symmetric "

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from intqat.ops import cpu_kernels
-from intqat.ops.backend import cpu_info
+from intqat.ops import backends
+from intqat.ops.cpu_features import cpu_class, cpu_info
 
 __all__ = ["Timing", "time_interleaved", "speed_ratio", "machine_info", "machine_lines"]
 
@@ -113,6 +114,9 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "fused_cpu_kernels": cpu_kernels.available(),
+        "cpu_class": cpu_class(),
+        "backend_forced": backends.forced(),
+        "backends_unavailable": {n: r for n, _, r in backends.summary() if r is not None},
     }
 
 
@@ -127,6 +131,13 @@ def machine_lines(info: dict | None = None) -> list[str]:
         + f"; intqat fused CPU kernels {'on' if info.get('fused_cpu_kernels') else 'OFF (torch path)'}"
         + ("" if load is None else f"; 1-min load avg before the run {load:.2f}")
     ]
+    if "cpu_class" in info:
+        forced = info.get("backend_forced")
+        off = ", ".join(f"{n} ({r})" for n, r in info.get("backends_unavailable", {}).items()) or "none"
+        lines.append(f"CPU class: {info['cpu_class']}; backends "
+                     + (f"FORCED to {forced} (INTQAT_BACKEND) where it implements a primitive"
+                        if forced else "chosen per call by the table (column 'backends': what ran)")
+                     + f"; cannot run here: {off}")
     if load is not None and load > 0.5 * info["cores"]:
         stall = (
             " With several torch threads a descheduled OpenMP thread also stalls every parallel region, which "
@@ -135,3 +146,19 @@ def machine_lines(info: dict | None = None) -> list[str]:
         lines.append(f"WARNING: other processes were using the CPUs: timings include their interference.{stall} "
                      "Ratios are unreliable; measure on a quiet machine.")
     return lines
+
+
+_GEMM_PRIMITIVES = ("int_mm", "linear", "digit_matmul", "ste_grad_input", "ste_grad_weight")
+
+
+def backends_used(run: Callable[[], object]) -> str:
+    """Run once and say which backend ran each primitive: the GEMMs by name, the elementwise passes
+    together, e.g. 'linear=fp32_exact passes=cpu_fused' ('-': no intqat primitive ran)."""
+    with backends.recording() as ran:
+        run()
+    gemms = {p: b for (p, b) in ran if p in _GEMM_PRIMITIVES}
+    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES})
+    parts = [f"{p}={b}" for p, b in sorted(gemms.items())]
+    if passes:
+        parts.append("passes=" + "+".join(passes))
+    return " ".join(parts) or "-"

@@ -13,8 +13,9 @@ source, the flags and the CPU, and written atomically (several processes may bui
 Without a compiler, or with `INTQAT_CPU_KERNELS=0`, every caller keeps its torch path: slower,
 same numbers.
 
-The kernels run only on plain, real CPU tensors outside of tracing: under torch.compile /
-torch.export (fake tensors) callers take the torch path, which the compiler can see.
+Which calls take them is the backend table's choice (`intqat.ops.backends`, backend `cpu_fused`):
+plain, real CPU tensors outside of tracing; under torch.compile / torch.export (fake tensors) the
+reference (torch) path runs, which the compiler can see.
 """
 
 from __future__ import annotations
@@ -34,14 +35,12 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
-from intqat.ops.backend import cpu_info
+from intqat.ops.cpu_features import cpu_info
 
 __all__ = [
     "available",
     "disabled",
-    "usable",
     "quantize_rows",
     "quantize_rows_dynamic",
     "fake_quantize_rows",
@@ -170,7 +169,8 @@ def _load() -> ctypes.CDLL | None:
 
 def available() -> bool:
     """True when the fused kernels are built, loaded and not switched off by `disabled()`."""
-    return _disabled_depth == 0 and _load() is not None
+    # once loaded, no lock and no call: this runs per dispatch (and must not break dynamo's graphs)
+    return _disabled_depth == 0 and (_lib is not None or (not _load_tried and _load() is not None))
 
 
 @contextlib.contextmanager
@@ -184,22 +184,6 @@ def disabled():
         _disabled_depth -= 1
 
 
-def usable(*tensors: Tensor | None) -> bool:
-    """Can the fused kernels take these tensors? Plain, real CPU tensors, and nothing is watching
-    the aten calls: no compile / export, no dispatch mode (make_fx, FlopCounterMode), no functorch
-    transform (vmap's batched tensors look like plain ones). Those see the torch path instead."""
-    # cheapest tests first: this runs several times per layer and step
-    if _disabled_depth or (_lib is None and (_load_tried or _load() is None)):
-        return False
-    for t in tensors:
-        if t is not None and ((type(t) is not Tensor and type(t) is not _Parameter) or not t.is_cpu):
-            return False
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    return not torch._C._are_functorch_transforms_active() and _python_dispatch._get_current_dispatch_mode() is None
-
-
-_Parameter = torch.nn.Parameter
 _scratch = threading.local()
 
 

@@ -43,11 +43,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
-from intqat.ops import cpu_kernels
-from intqat.ops.backend import cpu_info
-from intqat.ops.int_mm import MAX_K_INT32, int_mm
+from intqat.ops import backends
+from intqat.ops.backends import MAX_K_INT32
 
 __all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
 
@@ -64,26 +62,28 @@ def check_grad_gemm(grad_gemm: str) -> str:
     return grad_gemm
 
 
-# CPU features that run int8 dot products natively (x86: AMX, AVX512-VNNI, AVX-VNNI; Arm: SDOT,
-# I8MM). Without them torch._int_mm is no faster than an fp32 GEMM and three planes of it lose.
-_INT8_DOT_FLAGS = {"amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"}
-
-
-def cpu_has_int8_dot() -> bool:
-    return bool(_INT8_DOT_FLAGS & cpu_info()[1])
-
-
 def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
     """Is this backward GEMM of int_linear (x (M, K), W (N, K)) faster as a digit GEMM than in fp32?
 
-    grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). Measured on this 2-core
-    AMX CPU (module docstring): with the AMX kernel both pay from M >= 128 and M*N*K >= 2^26
-    (0.5x-0.75x of fp32 at M=256; up to 2.3x slower at M=32, where the output dominates). Through
-    torch._int_mm (other int8-dot CPUs) only grad_x pays, from N >= 512 and M*N*K >= 2^24.
+    grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). Asks the backend that
+    would run `digit_matmul` eagerly on CPU tensors (`intqat.ops.backends`); the thresholds are properties of
+    each backend's kernels against an fp32 GEMM on the same CPU class:
+    - amx (AMX tiles): both pay from M >= 128 and M*N*K >= 2^26 (0.5x-0.75x of fp32 at M=256;
+      up to 2.3x slower at M=32, where the output write dominates);
+    - cpu_fused (torch._int_mm on VNNI / Arm dot units): only grad_x, from N >= 512 and
+      M*N*K >= 2^24 (grad_w's 3x larger int32 output made it slower than fp32);
+    - anything else (no int8 dot-product units: the digits would be three fp32 GEMMs): never.
     """
-    if cpu_kernels.amx_available():
+    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32:
+        return False
+    # the run-time choice: traced (compile's backward graph) the GEMM is the opaque intqat::digit_matmul,
+    # which runs the eager kernels, so the traced graph must decide as eager does
+    b = backends.select("digit_matmul", record=False, at_run_time=True)
+    if b.name == "amx":
         return M >= 128 and M * N * K >= 2**26
-    return grad == "x" and N >= 512 and M * N * K >= 2**24 and cpu_has_int8_dot()
+    if b.name == "cpu_fused":
+        return grad == "x" and N >= 512 and M * N * K >= 2**24
+    return False
 
 
 def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -147,18 +147,10 @@ def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask:
     `intqat::digit_matmul`, which runs the same kernels when the compiled program runs: compiled and
     eager gradients are the same bits, and inductor does not regenerate the split and combine.
     """
-    if _traced(a, col_scale, q, mask) or (isinstance(z, Tensor) and _traced(z)):
+    if backends.tracing(a, col_scale, q, mask, z if isinstance(z, Tensor) else None):
         zt = z.reshape(1) if isinstance(z, Tensor) else torch.tensor([z], dtype=torch.int32)
         return _digit_matmul_op(a, col_scale, q, zt, mask)
     return _digit_matmul(a, col_scale, q, z, mask)
-
-
-def _traced(*tensors: Tensor | None) -> bool:
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return True
-    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
-        return True
-    return any(t is not None and type(t) is not Tensor and type(t) is not torch.nn.Parameter for t in tensors)
 
 
 @torch.library.custom_op("intqat::digit_matmul", mutates_args=())
@@ -176,7 +168,8 @@ def _digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask
     """`digit_matmul` on real tensors: the C kernels when usable, else the torch twin."""
     R, C = a.shape
     K = q.shape[1]
-    if isinstance(z, Tensor) and cpu_kernels.usable(z):
+    b = backends.select("digit_matmul", a, col_scale, q, mask)
+    if isinstance(z, Tensor) and not b.traceable:
         z = int(z.reshape(()))  # a constant for the kernels (the twin also takes the tensor)
     if C > MAX_K_INT32:
         out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
@@ -184,13 +177,4 @@ def _digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask
     if R == 0 or K == 0 or C == 0:
         out = a.new_zeros((R, K), dtype=torch.float32)
         return out if mask is None else torch.where(mask, out, 0.0)
-    if cpu_kernels.usable(a, col_scale, q, mask) and q.is_contiguous():
-        if cpu_kernels.amx_available():  # planes combined in the tiles: no (3R, K) int32 product
-            return cpu_kernels.amx_digit_matmul(a, col_scale, q, z, mask)
-        digits = cpu_kernels.scratch("digits", (3, R, C), torch.int8)
-        digits, shift, rowsum = cpu_kernels.split_digits(a, col_scale, need_rowsum=bool(z), digits=digits)
-        acc = torch._int_mm(digits.view(3 * R, C), q, out=cpu_kernels.scratch("digit_acc", (3 * R, K), torch.int32))
-        return cpu_kernels.combine_digits(acc, shift, rowsum, z, mask)
-    digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=isinstance(z, Tensor) or bool(z))
-    acc = int_mm(digits.reshape(3 * R, C), q)
-    return combine_digits(acc, shift, rowsum, z, mask)
+    return b.digit_matmul(a, col_scale, q, z, mask)

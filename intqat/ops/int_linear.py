@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
-from intqat.ops import cpu_kernels
-from intqat.ops.backend import backend_for
+from intqat.ops import backends
+from intqat.ops.backends import MAX_K_INT32
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
-from intqat.ops.int_mm import MAX_K_INT32, int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
-from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
+from intqat.ops.quant import check_qrange
 
 __all__ = [
     "int_linear",
@@ -72,20 +70,13 @@ def quantize_activation(
     dynamic: symmetric per-token scales from each row's absolute max, z_x = 0; nothing clips.
     """
     if dynamic:
-        if cpu_kernels.usable(x) and x.dim() == 2:
-            q_x, s_x, _ = cpu_kernels.quantize_rows_dynamic(x, qmin, qmax, SCALE_EPS)  # one fused pass
-            return q_x, None, s_x
-        s_x = torch.clamp(row_absmax(x, keepdim=True) / qmax, min=SCALE_EPS)
-        return quantize(x, s_x.reshape(-1), 0, qmin, qmax, axis=0), None, s_x
+        q_x, s_x, _ = backends.select("quantize_rows_dynamic", x).quantize_rows_dynamic(x, qmin, qmax, SCALE_EPS)
+        return q_x, None, s_x
     s_x = x_scale.detach().reshape(1, 1).to(torch.float32, copy=True)
-    if cpu_kernels.usable(x, s_x) and x.dim() == 2:  # straight to the fused pass (arguments already checked)
-        q_x, mask, _ = cpu_kernels.quantize_rows(x, s_x, float(z_x.reshape(())), qmin, qmax, per_row=False,
-                                                 need_mask=need_mask)
-        return q_x, mask, s_x
-    if need_mask:
-        q_x, mask = quantize_with_mask(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax)
-        return q_x, mask, s_x
-    return quantize(x, s_x.reshape(()), z_x.reshape(()), qmin, qmax), None, s_x
+    b = backends.select("quantize_rows", x, s_x, z_x)
+    z = z_x.reshape(()) if b.traceable else float(z_x.reshape(()))  # traced: z stays data, not a constant
+    q_x, mask, _ = b.quantize_rows(x, s_x, z, qmin, qmax, per_row=False, need_mask=need_mask)
+    return q_x, mask, s_x
 
 
 def minmax_weight_scale(weight: Tensor, qmax: int) -> Tensor:
@@ -105,18 +96,14 @@ def quantize_weight(
     """
     w = weight.detach()
     if w_scale is None:
-        if cpu_kernels.usable(w) and w.dim() == 2:
-            q_w, s, colsum = cpu_kernels.quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS, need_rowsum=need_colsum)
-            return q_w, torch.ones_like(q_w, dtype=torch.bool) if need_mask else None, colsum, s.reshape(-1)
-        s = minmax_weight_scale(w, qmax)
-    else:
-        s = w_scale.detach().reshape(-1)
-    if cpu_kernels.usable(w, s) and w.dim() == 2 and s.numel() == w.shape[0]:
-        q_w, mask, colsum = cpu_kernels.quantize_rows(w, s, 0.0, qmin, qmax, per_row=True, need_mask=need_mask,
-                                                      need_rowsum=need_colsum)
-        return q_w, mask, colsum, s
-    q_w, mask = quantize_with_mask(w, s, 0, qmin, qmax, axis=0) if need_mask else (quantize(w, s, 0, qmin, qmax, axis=0), None)
-    return q_w, mask, weight_colsum(q_w) if need_colsum else None, s
+        b = backends.select("quantize_rows_dynamic", w)
+        q_w, s, colsum = b.quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS, need_rowsum=need_colsum)
+        return q_w, torch.ones_like(q_w, dtype=torch.bool) if need_mask else None, colsum, s.reshape(-1)
+    s = w_scale.detach().reshape(-1)
+    b = backends.select("quantize_rows", w, s)
+    q_w, mask, colsum = b.quantize_rows(w, s, 0.0, qmin, qmax, per_row=True, need_mask=need_mask,
+                                        need_rowsum=need_colsum)
+    return q_w, mask, colsum, s
 
 
 def weight_colsum(q_w: Tensor) -> Tensor:
@@ -139,41 +126,21 @@ def integer_epilogue(
     acc -= z_x * colsum(q_w)            (int32, exact; skipped for symmetric activations: z_x None)
     y    = float32(acc) * (s_x[m] * s_w[n]) + b[n]
     """
-    if cpu_kernels.usable(acc, s_x, w_scale, bias) and acc.dim() == 2 and s_x.numel() in (1, acc.shape[0]):
-        z = 0 if z_x is None else int(z_x.reshape(()))
-        return cpu_kernels.epilogue(acc, z, None if z_x is None else w_colsum, s_x, w_scale, bias)
-    if z_x is not None:
-        acc = acc - z_x * w_colsum
-    y = acc.to(torch.float32) * (s_x * w_scale.reshape(1, -1))
-    return y + bias if bias is not None else y
-
-
-def amx_forward_pays(M: int, K: int, N: int) -> bool:
-    """Is the fused AMX kernel (kernels/cpu/amx_linear.c) faster than torch._int_mm + the epilogue?
-
-    Measured on this 2-core AMX CPU, 2026-11-23: 0.66x-0.80x of _int_mm + epilogue from M*N*K = 2^24
-    while M <= N (256x1024x1024: 0.19 vs 0.23 ms; 256x4096x4096: 2.5 vs 3.9 ms), 1.0x-1.5x when
-    the activations outnumber the weights (each thread keeps its half of the packed weight in its
-    L2 and reads all of q_x) or the layer is small (N = 10: 1.15x).
-    """
-    return M <= N and M * N * K >= 2**24 and cpu_kernels.amx_available()
+    return backends.select("epilogue", acc, s_x, w_scale, bias).epilogue(acc, z_x, w_colsum, s_x, w_scale, bias)
 
 
 def integer_linear(q_x: Tensor, q_w: Tensor, z_x: Tensor | None, w_colsum: Tensor | None, s_x: Tensor,
                    w_scale: Tensor, bias: Tensor | None) -> Tensor:
     """y = integer_epilogue(int_mm(q_x, q_wᵀ), ...): q_x (M, K), q_w (N, K) int8 -> (M, N) fp32.
 
-    On an AMX CPU in eager mode, large layers run the fused kernel (`amx_forward_pays`): the same
-    int32 sums and the same epilogue operations, so the same bits as the int_mm path (tested).
+    z_x int32 (1,) or None (symmetric activations), w_colsum (N,) int32 (needed with z_x), s_x (M, 1)
+    or (1, 1), w_scale (N,). The backend table picks the implementation (AMX tiles, torch._int_mm +
+    the fused epilogue, exact fp32 GEMMs where the CPU has no int8 dot products, Triton on GPUs):
+    the same bits everywhere (Triton: acc exact, y within 1 ulp).
     """
-    M, K = q_x.shape
-    N = q_w.shape[0]
-    if (cpu_kernels.usable(q_x, q_w, s_x, w_scale, bias, w_colsum) and 0 < K <= MAX_K_INT32
-            and q_x.is_contiguous() and q_w.is_contiguous() and s_x.numel() in (1, M)
-            and amx_forward_pays(M, K, N)):
-        z = 0 if z_x is None else int(z_x.reshape(()))
-        return cpu_kernels.amx_linear(q_x, q_w, z, None if z_x is None else w_colsum, s_x, w_scale, bias)
-    return integer_epilogue(_accumulate(q_x, q_w), z_x, w_colsum, s_x, w_scale, bias)
+    shape = (q_x.shape[0], q_x.shape[1], q_w.shape[0])
+    b = backends.select("linear", q_x, q_w, s_x, w_scale, bias, w_colsum, shape=shape)
+    return b.linear(q_x, q_w, z_x, w_colsum, s_x, w_scale, bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,19 +171,13 @@ def _int_linear_forward(
     """
     z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
     q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, x_clip_mask)
-    triton = backend_for(x) == "triton"
     w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
-    # dynamic activations are symmetric: no zero-point correction, no colsum (the Triton kernel takes one)
+    # dynamic activations are symmetric: no zero-point correction, no colsum
     q_w, mask_w, w_colsum, s_w = quantize_weight(weight, w_scale, w_qmin, w_qmax, need_mask=w_clip_mask,
-                                                 need_colsum=triton or not x_dynamic)
+                                                 need_colsum=not x_dynamic)
     s_w = s_w.to(torch.float32, copy=w_scale is not None)  # an output may not alias an input
-    if triton:
-        from intqat import kernels
-
-        y = kernels.int_linear_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, w_colsum, bias)
-    else:
-        y = integer_linear(q_x, q_w, None if x_dynamic else z_x, w_colsum, s_x, s_w,
-                           None if bias is None else bias.detach())
+    y = integer_linear(q_x, q_w, None if x_dynamic else z_x, w_colsum, s_x, s_w,
+                       None if bias is None else bias.detach())
     empty = _no_mask(x)
     return (y, q_x, empty if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _no_mask(x), s_x, z_x, s_w)
 
@@ -291,16 +252,14 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)
     grad_x = grad_w = grad_b = grad_sx = grad_zx = grad_sw = None
-    triton = backend_for(g) == "triton"
-    if triton:
-        from intqat import kernels
+    fused_ste = backends.select("ste_grad_input", g, q_w)  # Triton: the whole STE GEMM with its mask, or None
     int8x3 = ctx.grad_gemm == "int8x3"
-    digits = int8x3 and digits_pay(*q_x.shape, q_w.shape[0], grad="x")  # grad_x on the int8 units
+    M, K, N = q_x.shape[0], q_x.shape[1], q_w.shape[0]
 
     if need_x or need_sx or need_zx:
-        if triton:
-            grad_x, grad_xhat = kernels.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
-        elif digits:
+        if fused_ste is not None:
+            grad_x, grad_xhat = fused_ste.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
+        elif int8x3 and digits_pay(M, K, N, grad="x"):
             # grad_xhat = (g * s_w) @ q_w on the int8 units (digit_gemm); the mask is applied in the
             # same pass unless the LSQ terms below need grad_xhat unmasked
             fuse = mask_x.numel() and not ctx.x_lsq
@@ -326,14 +285,14 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
                 # LSQ+: d x_hat / d z = 0 inside the range, -s outside
                 grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(ctx.x_zero_point_shape)
     if need_w or need_sw:
-        if triton:
-            grad_w, grad_sw_raw = kernels.ste_grad_weight(
+        if fused_ste is not None:
+            grad_w, grad_sw_raw = fused_ste.ste_grad_weight(
                 g, q_x, s_x.reshape(-1), z_x, mask_w if mask_w.numel() else None,
                 weight if need_sw else None, w_scale if need_sw else None, w_qmin, w_qmax,
                 lsq_grad_factor(q_w.shape[1], w_qmax),
             )
             grad_what = None
-        elif int8x3 and digits_pay(*q_x.shape, q_w.shape[0], grad="w"):
+        elif int8x3 and digits_pay(M, K, N, grad="w"):
             # grad_what = (g * s_x)ᵀ @ (q_x - z_x) on the int8 units; mask fused unless LSQ needs it unmasked
             fuse = mask_w.numel() and not need_sw
             grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x, mask_w if fuse else None)
@@ -349,7 +308,7 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
             else:
                 grad_w = _mask_zero_(grad_what, mask_w)
         if need_sw:
-            if triton:
+            if fused_ste is not None:
                 grad_sw = grad_sw_raw.reshape(ctx.w_scale_shape)
             else:
                 m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
@@ -362,31 +321,18 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None, None
 
 
-def _accumulate(q_x: Tensor, q_w: Tensor) -> Tensor:
-    """int_mm(q_x, q_wᵀ) (M, N) int32; on the CPU into this thread's scratch buffer (it dies in the epilogue)."""
-    M, K = q_x.shape
-    N = q_w.shape[0]
-    if cpu_kernels.usable(q_x, q_w) and 0 < K <= MAX_K_INT32 and M and N and q_x.is_contiguous() and q_w.is_contiguous():
-        return torch._int_mm(q_x, q_w.t(), out=cpu_kernels.scratch("acc", (M, N), torch.int32))
-    return int_mm(q_x, q_w.t())
-
-
 def _dequantized(q: Tensor, scale: Tensor, z, per_row: bool, role: str) -> Tensor:
-    """(q - z) * s as fp32 for a backward matmul; on the CPU into a scratch buffer (dies in the matmul)."""
-    if cpu_kernels.usable(q, scale) and q.dtype == torch.int8:
-        z = 0.0 if isinstance(z, int) else float(z.reshape(()))
-        out = cpu_kernels.scratch(role, tuple(q.shape), torch.float32)
-        return cpu_kernels.dequantize_rows(q, scale, z, per_row, out=out)
-    if per_row:
-        return dequantize(q, scale.reshape(-1), z if isinstance(z, int) else z.reshape(()), axis=0)
-    return dequantize(q, scale.reshape(()), z if isinstance(z, int) else z.reshape(()))
+    """(q - z) * s as fp32 for a backward matmul. role: names a reusable scratch buffer (the result
+    dies in the matmul), which eager CPU backends write into instead of a fresh tensor."""
+    b = backends.select("dequantize_rows", q, scale, z if isinstance(z, Tensor) else None)
+    if b.traceable:  # traced: the zero point stays data
+        return b.dequantize_rows(q, scale.reshape(-1), z if isinstance(z, int) else z.reshape(()), per_row)
+    return b.dequantize_rows(q, scale, 0.0 if isinstance(z, int) else float(z.reshape(())), per_row, scratch=role)
 
 
 def _mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
-    """where(mask, g, 0), in place on g (a fresh matmul result) when the fused kernel can."""
-    if cpu_kernels.usable(g, mask):
-        return cpu_kernels.mask_zero_(g, mask)
-    return torch.where(mask, g, 0.0)
+    """where(mask, g, 0), in place on g (a fresh matmul result)."""
+    return backends.select("mask_zero_", g, mask).mask_zero_(g, mask)
 
 
 torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_setup_context)
@@ -410,13 +356,8 @@ class _IntLinearEager(torch.autograd.Function):
 
 
 def _eager_ok(*tensors: Tensor | None) -> bool:
-    """True when nothing traces this call: no compile / export, no dispatch mode, no functorch
-    transform, plain tensors. Tracers must see the custom op, a single node."""
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
+    """True when nothing traces this call (`backends.tracing`): tracers must see the custom op, one node."""
+    return not backends.tracing(*tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 Multiplying by the float32 reciprocal (not dividing) is what makes
 `dequantize(quantize(x))` equal `torch.fake_quantize_per_*_affine` bit for bit.
 
-On plain CPU tensors these run as one fused pass (`intqat.ops.cpu_kernels`, same bits); the
+On plain CPU tensors these run as one fused pass (the backend table's `cpu_fused`, same bits); the
 torch code below is the reference, and the path taken under tracing (torch.compile / export).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops import cpu_kernels
+from intqat.ops import backends
 
 __all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "fake_quantize_with_mask", "check_qrange"]
 
@@ -65,35 +65,38 @@ def _rounded(x: Tensor, scale: Tensor, zero_point: Tensor | int) -> Tensor:
     return r.add_(zero_point.to(torch.float32))
 
 
-def _fused_rows(x: Tensor, s: Tensor, z, axis: int | None) -> bool | None:
-    """Can the fused CPU kernel take this call? -> per_row flag (True / False), or None for no.
-
-    It takes one scale for all, or one per slice along axis 0, and a single zero point."""
+def _fused_rows(x: Tensor, s: Tensor, z, axis: int | None, primitive: str):
+    """-> (backend, per_row flag) when a backend other than the reference takes this call in the
+    row form (one scale for all, or one per slice along axis 0, and a single zero point); else None."""
     if not isinstance(z, int) and z.numel() != 1:
         return None
-    if not cpu_kernels.usable(x, s, None if isinstance(z, int) else z):
-        return None
     if s.numel() == 1:
-        return False
-    return True if axis is not None and axis % x.dim() == 0 and x.dim() >= 1 else None
+        per_row = False
+    elif axis is not None and x.dim() >= 1 and axis % x.dim() == 0:
+        per_row = True
+    else:
+        return None
+    b = backends.select(primitive, x, s, None if isinstance(z, int) else z)
+    return None if b.traceable else (b, per_row)
 
 
-def _checked_params(x, scale, zero_point, qmin, qmax, axis, what: str):
-    """Validate a quantize call -> (s, z broadcast against x, fused per_row flag or None, z as float)."""
+def _checked_params(x, scale, zero_point, qmin, qmax, axis, what: str, primitive: str):
+    """Validate a quantize call -> (s, z broadcast against x, (backend, per_row) or None, z as float)."""
     check_qrange(qmin, qmax)
     s = _broadcast(scale, x, axis, "scale")
     z = zero_point if isinstance(zero_point, int) and zero_point == 0 else _broadcast(zero_point, x, axis, "zero_point")
     if not x.is_floating_point():
         raise ValueError(f"{what} expects a floating-point input, got dtype {x.dtype}")
-    per_row = _fused_rows(x, s, z, axis)
-    z_val = None if per_row is None else (0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32)))
-    return s, z, per_row, z_val
+    fused = _fused_rows(x, s, z, axis, primitive)
+    z_val = None if fused is None else (0.0 if isinstance(z, int) else float(z.reshape(()).to(torch.float32)))
+    return s, z, fused, z_val
 
 
 def _codes(x, scale, zero_point, qmin, qmax, axis, need_mask):
-    s, z, per_row, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "quantize")
-    if per_row is not None:
-        q, mask, _ = cpu_kernels.quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
+    s, z, fused, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "quantize", "quantize_rows")
+    if fused is not None:
+        b, per_row = fused
+        q, mask, _ = b.quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
         return q, mask
     r = _rounded(x, s, z)
     if not need_mask:
@@ -139,9 +142,10 @@ def dequantize(
     s = _broadcast(scale, q, axis, "scale").to(torch.float32)
     z = _broadcast(zero_point, q, axis, "zero_point").to(torch.float32)
     if q.dtype == torch.int8 and z.numel() == 1:
-        per_row = _fused_rows(q, s, z, axis)
-        if per_row is not None:
-            return cpu_kernels.dequantize_rows(q, s, float(z), per_row)
+        fused = _fused_rows(q, s, z, axis, "dequantize_rows")
+        if fused is not None:
+            b, per_row = fused
+            return b.dequantize_rows(q, s, float(z), per_row)
     return (q.to(torch.float32) - z) * s
 
 
@@ -167,8 +171,9 @@ def fake_quantize_with_mask(
     need_mask: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """(dequantize(quantize(x)) fp32, clip mask or None); on plain CPU tensors in one fused pass."""
-    s, _, per_row, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "fake_quantize")
-    if per_row is not None:
-        return cpu_kernels.fake_quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
+    s, _, fused, z_val = _checked_params(x, scale, zero_point, qmin, qmax, axis, "fake_quantize", "fake_quantize_rows")
+    if fused is not None:
+        b, per_row = fused
+        return b.fake_quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
     q, mask = _codes(x, scale, zero_point, qmin, qmax, axis, need_mask)
     return dequantize(q, scale, zero_point, axis), mask

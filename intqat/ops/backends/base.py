@@ -1,0 +1,92 @@
+"""What a backend is: a named implementation of some of intqat's integer primitives.
+
+A backend says what it needs (device, CPU features, eager vs traced) and, per call, why it cannot
+take one (`refuse`) or why it would be slow there (`slow`); `intqat.ops.backends.select` takes the first that does not refuse, in the table's
+priority order. The shape follows xformers' attention dispatch (one class per implementation,
+each with its reasons) and torch.library's one-contract-many-kernels.
+
+The primitives (the same signature in every backend that implements them):
+
+    int_mm(a, b)                             a (M, K) int8, b (K, N) int8 -> (M, N) int32, exact
+    linear(q_x, q_w, z_x, colsum, s_x, s_w, bias)
+                                             epilogue(int_mm(q_x, q_wᵀ), ...): q_x (M, K), q_w (N, K)
+    epilogue(acc, z_x, colsum, s_x, s_w, bias)
+                                             float32(acc - z_x colsum[n]) * (s_x[m] s_w[n]) + b[n]
+    digit_matmul(a, col_scale, q, z, mask)   the backward GEMM on the int8 units (digit_gemm.py)
+    quantize_rows / quantize_rows_dynamic / fake_quantize_rows / dequantize_rows / mask_zero_
+                                             the elementwise passes (quant.py's formulas)
+    ste_grad_input / ste_grad_weight         the whole STE backward GEMM with its mask (Triton)
+
+The plain-torch backend (`reference`) implements them all and is their definition: every other
+backend computes the same bits, which tests/test_backends.py checks on whatever CPU runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils import _python_dispatch
+
+__all__ = ["Backend", "tracing", "plain_cpu"]
+
+_Parameter = torch.nn.Parameter
+
+
+def tracing(*tensors: Tensor | None) -> bool:
+    """Is anything watching the aten calls? torch.compile / torch.export, a dispatch mode (make_fx,
+    FlopCounterMode), a functorch transform (vmap's batched tensors look like plain ones), or a
+    tensor subclass (fake, functional). Tracers must see portable torch ops, never a ctypes call."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return True
+    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return True
+    return any(t is not None and type(t) is not Tensor and type(t) is not _Parameter for t in tensors)
+
+
+def plain_cpu(*tensors: Tensor | None) -> bool:
+    """Every tensor is a plain (not traced, not subclassed) CPU tensor."""
+    for t in tensors:
+        if t is not None and ((type(t) is not Tensor and type(t) is not _Parameter) or not t.is_cpu):
+            return False
+    return True
+
+
+class Backend:
+    """One implementation family. Subclasses set the class attributes and implement primitives.
+
+    name        what tests, `use_backend` and the bench call it
+    needs       what it needs, in words (printed by the bench and the test summary)
+    primitives  the primitives it implements (methods of the same name)
+    traceable   may run while a tracer watches (its ops are what the exported program should hold)
+    """
+
+    name = "?"
+    needs = ""
+    primitives: frozenset[str] = frozenset()
+    traceable = False
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run on this machine at all (None: it can). Cached by the table."""
+        return None
+
+    def refuse(self, primitive: str, tensors: tuple[Tensor | None, ...], shape: tuple[int, ...] | None,
+               traced: bool) -> str | None:
+        """Why this backend does not take this call (None: it takes it). Cheap: runs per call.
+
+        tensors: the call's tensor arguments; shape: the GEMM's (M, K, N) where that matters;
+        traced: `tracing(*tensors)`, computed once per call by the table. The default: eager,
+        plain CPU tensors only."""
+        if traced:
+            return "not while tracing (compile / export / a dispatch mode)"
+        if not plain_cpu(*tensors):
+            return "needs plain CPU tensors"
+        return None
+
+    def slow(self, primitive: str, shape: tuple[int, ...] | None) -> str | None:
+        """Why this backend, though able, is not the fast choice for this call on this CPU (None: it
+        is). The table skips a slow backend unless it is forced (`use_backend`): tests force one to
+        check its bits on any machine."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<intqat backend {self.name}>"

@@ -1,0 +1,162 @@
+"""The plain-torch backend: the definition of every primitive (NUMERICS.md), and what tracers see.
+
+Every other backend must return the same bits as this one; it runs anywhere torch runs and is the
+only backend taken while torch.compile / torch.export trace, so exported programs hold portable
+aten ops (`aten._int_mm` for the integer GEMM).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from intqat.ops.backends.base import Backend
+
+__all__ = ["Reference", "MAX_K_INT32", "dense_layout", "is_dense", "split_k"]
+
+# |a * b| <= 128 * 128 = 2^14 per product of int8 codes, so an int32 sum of K products cannot
+# overflow while K * 2^14 <= 2^31 - 1, i.e. K <= 131071. (At K = 131072 the all -128 sum is exactly
+# 2^31, one past int32's maximum.) Longer contractions are split and summed in int64.
+MAX_K_INT32 = (2**31 - 1) // 2**14  # 131071
+
+
+def is_dense(t: Tensor) -> bool:
+    """Row-major, or column-major with no size-1 dim: layouts torch._int_mm handles (see dense_layout)."""
+    rows, cols = t.shape
+    st = t.stride()
+    return (st[1] == 1 and st[0] == cols) or (st[0] == 1 and st[1] == rows and rows > 1 and cols > 1)
+
+
+def dense_layout(t: Tensor) -> Tensor:
+    """t itself if `is_dense`, else a row-major copy.
+
+    torch._int_mm (CPU, torch 2.13) returns wrong numbers for some layouts that involve size-1
+    dims, e.g. a (44, 1) view with strides (1, 44) times a (1, 56) view with strides (1, 1);
+    tests/test_int_mm.py keeps the cases. Those layouts only arise for degenerate shapes, so the
+    copy costs nothing that matters.
+    """
+    if is_dense(t):
+        return t
+    return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def split_k(a: Tensor, b: Tensor, chunk: int, mm) -> Tensor:
+    """int_mm for a contraction too long for one int32 sum: mm(a_k, b_k) of K chunks of at most
+    `chunk`, each exact in int32, added in int64; the exact result must fit int32 (out_dtype's
+    contract) or this raises OverflowError naming the shapes and the range."""
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int64, device=a.device)
+    for k0 in range(0, a.shape[1], chunk):
+        acc += mm(a[:, k0 : k0 + chunk], b[k0 : k0 + chunk])
+    info = torch.iinfo(torch.int32)
+    lo, hi = (int(v) for v in acc.aminmax()) if acc.numel() else (0, 0)
+    if lo < info.min or hi > info.max:
+        raise OverflowError(
+            f"int_mm: the exact result of {tuple(a.shape)} x {tuple(b.shape)} spans [{lo}, {hi}], outside "
+            f"int32 [{info.min}, {info.max}]; it cannot be returned as out_dtype=int32")
+    return acc.to(torch.int32)
+
+
+def _row_scale(scale: Tensor, x: Tensor, per_row: bool) -> Tensor:
+    s = scale.to(torch.float32)
+    return s.reshape(-1, *([1] * (x.dim() - 1))) if per_row else s.reshape(())
+
+
+class Reference(Backend):
+    name = "reference"
+    needs = "torch only (the definition; what tracers and exported programs see)"
+    primitives = frozenset({
+        "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_",
+    })
+    traceable = True
+
+    def refuse(self, primitive, tensors, shape, traced):
+        return None
+
+    # --- integer GEMMs -------------------------------------------------------------------------
+
+    def int_mm(self, a: Tensor, b: Tensor) -> Tensor:
+        """a (M, K) int8 @ b (K, N) int8 -> (M, N) int32 by torch._int_mm (aten: portable)."""
+        M, K = a.shape
+        N = b.shape[1]
+        if M == 0 or N == 0 or K == 0:
+            # torch._int_mm returns uninitialised memory for K = 0 on some builds; the sum of nothing is 0.
+            return torch.zeros(M, N, dtype=torch.int32, device=a.device)
+        if K > MAX_K_INT32:
+            return split_k(a, b, MAX_K_INT32, lambda x, y: torch._int_mm(dense_layout(x), dense_layout(y)))
+        return torch._int_mm(dense_layout(a), dense_layout(b))
+
+    def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
+        """y = epilogue(int_mm(q_x, q_wᵀ), ...): q_x (M, K), q_w (N, K) int8 -> (M, N) fp32."""
+        from intqat.ops import backends
+
+        acc = self.int_mm(q_x, q_w.t())
+        return backends.select("epilogue", acc, s_x, s_w, bias).epilogue(acc, z_x, colsum, s_x, s_w, bias)
+
+    def epilogue(self, acc, z_x, colsum, s_x, s_w, bias):
+        """acc (M, N) int32 -> float32(acc - z_x * colsum[n]) * (s_x[m] * s_w[n]) + b[n], one rounding a step.
+
+        z_x: int32 (1,) or None (symmetric activations: no correction); s_x (M, 1) or (1, 1)."""
+        if z_x is not None:
+            acc = acc - z_x * colsum
+        y = acc.to(torch.float32) * (s_x * s_w.reshape(1, -1))
+        return y + bias if bias is not None else y
+
+    def digit_matmul(self, a, col_scale, q, z, mask):
+        """where(mask, (a * col_scale) @ (q - z), 0) through three int8 digit planes (digit_gemm.py)."""
+        from intqat.ops.digit_gemm import combine_digits, split_digits
+
+        R, C = a.shape
+        digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=isinstance(z, Tensor) or bool(z))
+        acc = self.int_mm(digits.reshape(3 * R, C), q)
+        return combine_digits(acc, shift, rowsum, z, mask)
+
+    # --- elementwise passes (quant.py's formulas, rows along dim 0) ----------------------------
+
+    def quantize_rows(self, x, scale, zero_point, qmin, qmax, per_row, need_mask=False, need_rowsum=False):
+        """x float -> (int8 codes like x, clip mask or None, per-row code sums int32 (rows,) or None).
+
+        r = nearbyint(x * float32(1/s)) + z; q = clamp(r, qmin, qmax); mask = (qmin <= r <= qmax)."""
+        r = x.to(torch.float32) * torch.reciprocal(_row_scale(scale, x, per_row))
+        r.round_()  # round half to even, like nearbyint
+        if isinstance(zero_point, Tensor):  # traced: the zero point is data, not a constant
+            r.add_(zero_point.to(torch.float32))
+        elif zero_point:
+            r.add_(float(zero_point))
+        clamped = r.clamp(qmin, qmax)
+        q = clamped.to(torch.int8)
+        mask = clamped == r if need_mask else None
+        rowsum = None
+        if need_rowsum:  # exact in fp32: every partial sum is an integer below 128 K <= 2^24
+            rowsum = q.reshape(q.shape[0], -1).to(torch.float32).sum(dim=1).to(torch.int32)
+        return q, mask, rowsum
+
+    def quantize_rows_dynamic(self, x, qmin, qmax, eps, need_rowsum=False):
+        """x (M, K) -> (codes, s (M, 1) = max(max|x[m]| / qmax, eps), rowsum or None); z = 0."""
+        from intqat.ops.qparams import row_absmax
+
+        s = torch.clamp(row_absmax(x, keepdim=True) / qmax, min=eps)
+        q, _, rowsum = self.quantize_rows(x, s.reshape(-1), 0.0, qmin, qmax, True, need_rowsum=need_rowsum)
+        return q, s, rowsum
+
+    def fake_quantize_rows(self, x, scale, zero_point, qmin, qmax, per_row, need_mask=False):
+        q, mask, _ = self.quantize_rows(x, scale, zero_point, qmin, qmax, per_row, need_mask=need_mask)
+        return self.dequantize_rows(q, scale, zero_point, per_row), mask
+
+    def dequantize_rows(self, q, scale, zero_point, per_row, out=None, scratch=None):
+        """(float(q) - z) * s; scale None: float(q) - z. (q - z) is an exact small integer: one rounding.
+
+        out: a tensor to write into; scratch: a role name under which an eager backend may reuse a
+        buffer for a result that dies within the op (the reference makes a fresh tensor)."""
+        y = q.to(torch.float32)
+        if isinstance(zero_point, Tensor):
+            y = y - zero_point.to(torch.float32)
+        elif zero_point:
+            y = y - float(zero_point)
+        if scale is not None:
+            y = y * _row_scale(scale, q, per_row)
+        return y if out is None else out.copy_(y)
+
+    def mask_zero_(self, g, mask):
+        """where(mask, g, 0) (a new tensor: tracers see no in-place update)."""
+        return torch.where(mask, g, 0.0)

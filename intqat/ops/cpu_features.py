@@ -1,0 +1,52 @@
+"""What this CPU can do, read once from /proc/cpuinfo: the facts backends are chosen from.
+
+Dispatch never uses thresholds fitted to one machine's speed without saying which class of CPU they
+were measured on; it uses these capabilities, which hold on every machine of a class.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+__all__ = ["cpu_info", "cpu_has_int8_dot", "cpu_class", "INT8_DOT_FLAGS"]
+
+# CPU features that run int8 dot products natively (x86: AMX, AVX512-VNNI, AVX-VNNI; Arm: SDOT,
+# I8MM). Without them torch._int_mm is a scalar loop, ~50x slower than an fp32 GEMM.
+INT8_DOT_FLAGS = frozenset({"amx_int8", "avx512_vnni", "avx_vnni", "asimddp", "i8mm"})
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """(CPU model name, feature flags) from /proc/cpuinfo (x86 "flags", Arm "Features"); read once."""
+    model, flags = None, frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and model is None:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or "unknown CPU", flags
+
+
+def cpu_has_int8_dot() -> bool:
+    """Does this CPU run int8 dot products natively (so torch._int_mm beats an fp32 GEMM)?"""
+    return bool(INT8_DOT_FLAGS & cpu_info()[1])
+
+
+def cpu_class() -> str:
+    """The class figures are reported for: 'AMX-INT8', 'VNNI, no AMX', 'Arm int8 dot', or
+    'no int8 dot-product units'."""
+    flags = cpu_info()[1]
+    if "amx_int8" in flags:
+        return "AMX-INT8"
+    if flags & {"avx512_vnni", "avx_vnni"}:
+        return "VNNI, no AMX"
+    if flags & {"asimddp", "i8mm"}:
+        return "Arm int8 dot"
+    return "no int8 dot-product units"

@@ -1,0 +1,224 @@
+"""Every backend against the reference, bit for bit, on whatever CPU runs the tests.
+
+For each backend that can run here (forced with `use_backend`, slow or not on this CPU), each
+primitive it implements is compared with the plain-torch reference: int32 accumulators and codes
+with torch.equal, float outputs with torch.equal (the same float32 operations in the same order),
+Triton's epilogue within 1 ulp (FMA). A backend this machine cannot run is skipped with its reason,
+and the session summary (conftest.py) lists it, so a green run says what it did not check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from intqat.ops import MAX_K_INT32, backends, int_linear, int_mm
+from intqat.ops.backends import EXACT_K
+
+CPU_BACKENDS = ["amx", "cpu_fused", "fp32_exact", "triton"]
+
+
+def _runs_here(name):
+    reason = backends.unavailable(name)
+    if reason is not None:
+        pytest.skip(f"backend {name} cannot run here: {reason}")
+
+
+def _codes(*shape, lo=-128, hi=128, seed=0):
+    return torch.randint(lo, hi, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(fn, *args):
+    with backends.use_backend("reference"):
+        return fn(*args)
+
+
+@pytest.mark.parametrize("name", ["cpu_fused", "fp32_exact", "triton"])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 33, 5), (64, EXACT_K, 48), (17, EXACT_K + 1, 9),
+                                   (5, 3 * EXACT_K + 7, 6)])
+def test_int_mm_equals_the_reference(name, M, K, N):
+    _runs_here(name)
+    if name == "triton" and M * K * N > 2**16:
+        pytest.skip("the Triton interpreter is slow: small shapes only")
+    a, b = _codes(M, K, seed=1), _codes(N, K, seed=2).t()  # b a transposed view: any strides
+    with backends.use_backend(name), backends.recording() as ran:
+        got = int_mm(a, b)
+    assert ran[("int_mm", name)] == 1  # the backend really ran
+    assert torch.equal(got, _reference(int_mm, a, b))
+
+
+def test_fp32_exact_is_exact_at_the_worst_case_of_each_slice():
+    """All codes -128: every partial sum is -2^14 k; a slice of EXACT_K sums to exactly -2^24, the
+    largest magnitude fp32 still holds exactly; one more element per slice and fp32 would round."""
+    for K in (EXACT_K, EXACT_K + 1, 2 * EXACT_K, 5 * EXACT_K + 3):
+        a = torch.full((3, K), -128, dtype=torch.int8)
+        b = torch.full((K, 2), -128, dtype=torch.int8)
+        with backends.use_backend("fp32_exact"):
+            got = int_mm(a, b)
+        assert torch.equal(got, torch.full((3, 2), 2**14 * K, dtype=torch.int32)), K
+
+
+@pytest.mark.parametrize("name", ["reference", "cpu_fused", "fp32_exact"])
+def test_the_int32_edge_is_exact_or_a_clear_error(name):
+    """K * 2^14 <= 2^31 - 1 is int32's bound: K = 131071 all -128 fits exactly; at 131072 the exact sum
+    2^31 is one past int32's maximum, and 131073 beyond it: int_mm raises, never wraps."""
+    _runs_here(name)
+    assert MAX_K_INT32 == 131071
+    for K in (131071, 131072, 131073):
+        a = torch.full((1, K), -128, dtype=torch.int8)
+        b = torch.full((K, 1), -128, dtype=torch.int8)
+        with backends.use_backend(name):
+            if K * 2**14 <= 2**31 - 1:
+                assert int(int_mm(a, b)) == K * 2**14
+            else:
+                with pytest.raises(OverflowError, match=r"outside int32"):
+                    int_mm(a, b)
+
+
+def test_int_linear_at_the_int32_edge():
+    """The same edge through int_linear: codes -128 x -128 (x at its scale's qmin, W at w_qmin = -128)."""
+    for K, fits in ((131071, True), (131072, False)):
+        x = torch.full((1, K), -1.0)
+        W = torch.full((1, K), -1.0)
+        args = (x, W, None, torch.tensor([1 / 128]), torch.tensor([0.0]), torch.tensor([1 / 128]))
+        if fits:
+            y = int_linear(*args, w_qmin=-128)
+            assert y.item() == float(K * 2**14) / 128 / 128
+        else:
+            with pytest.raises(OverflowError, match="outside int32"):
+                int_linear(*args, w_qmin=-128)
+
+
+def _linear_problem(M, K, N, z=3, per_row=False, bias=True, seed=0):
+    q_x, q_w = _codes(M, K, seed=seed), _codes(N, K, lo=-127, seed=seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    s_x = torch.rand(M if per_row else 1, 1, generator=g) * 0.1 + 0.01
+    s_w = torch.rand(N, generator=g) * 0.01 + 0.001
+    colsum = q_w.to(torch.int32).sum(1, dtype=torch.int32)
+    return (q_x, q_w, None if per_row else torch.tensor([z], dtype=torch.int32), colsum, s_x, s_w,
+            torch.randn(N, generator=g) if bias else None)
+
+
+def _linear(q_x, q_w, z_x, colsum, s_x, s_w, bias):
+    shape = (q_x.shape[0], q_x.shape[1], q_w.shape[0])
+    return backends.select("linear", q_x, q_w, shape=shape).linear(q_x, q_w, z_x, colsum, s_x, s_w, bias)
+
+
+@pytest.mark.parametrize("name", CPU_BACKENDS)
+@pytest.mark.parametrize("M,K,N,per_row,bias", [(1, 16, 8, False, True), (33, 200, 70, True, False),
+                                                 (256, 1024, 1024, False, True), (64, 3000, 96, False, True)])
+def test_linear_forward_equals_the_reference(name, M, K, N, per_row, bias):
+    _runs_here(name)
+    if name == "triton" and M * K * N > 2**17:
+        pytest.skip("the Triton interpreter is slow: small shapes only")
+    args = _linear_problem(M, K, N, per_row=per_row, bias=bias)
+    with backends.use_backend(name), backends.recording() as ran:
+        got = _linear(*args)
+    ref = _reference(_linear, *args)
+    assert ran[("linear", name)] == 1 or (name == "amx" and backends.get("amx").slow("linear", (M, K, N)))
+    if name == "triton":  # FMA contraction in the epilogue: within 1 ulp
+        ulp = torch.nextafter(ref.abs(), torch.tensor(float("inf"))) - ref.abs()
+        assert torch.all((got - ref).abs() <= ulp)
+    else:
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("name", ["cpu_fused"])
+def test_elementwise_passes_equal_the_reference(name):
+    _runs_here(name)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 129, generator=g) * 4
+    s_row, s_one = torch.rand(37, generator=g) * 0.05 + 0.01, torch.tensor([0.03])
+    q = _codes(37, 129, seed=4)
+    b, ref = backends.get(name), backends.get("reference")
+    for per_row, s in ((True, s_row), (False, s_one)):
+        for z in (0.0, 5.0):
+            got = b.quantize_rows(x, s, z, -128, 127, per_row, need_mask=True, need_rowsum=True)
+            want = ref.quantize_rows(x, s, z, -128, 127, per_row, need_mask=True, need_rowsum=True)
+            assert all(torch.equal(u, v) for u, v in zip(got, want))
+            got = b.fake_quantize_rows(x, s, z, -128, 127, per_row, need_mask=True)
+            want = ref.fake_quantize_rows(x, s, z, -128, 127, per_row, need_mask=True)
+            assert all(torch.equal(u, v) for u, v in zip(got, want))
+            assert torch.equal(b.dequantize_rows(q, s, z, per_row), ref.dequantize_rows(q, s, z, per_row))
+    got = b.quantize_rows_dynamic(x, -127, 127, 1e-8, need_rowsum=True)
+    want = ref.quantize_rows_dynamic(x, -127, 127, 1e-8, need_rowsum=True)
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
+    mask = torch.rand(37, 129, generator=g) > 0.3
+    assert torch.equal(b.mask_zero_(x.clone(), mask), ref.mask_zero_(x.clone(), mask))
+    acc = torch.randint(-2**20, 2**20, (37, 50), dtype=torch.int32, generator=g)
+    colsum = torch.randint(-3000, 3000, (50,), dtype=torch.int32, generator=g)
+    s_w, bias = torch.rand(50, generator=g) * 0.01, torch.randn(50, generator=g)
+    for z_x, s_x in ((torch.tensor([7], dtype=torch.int32), s_one.reshape(1, 1)), (None, s_row.reshape(-1, 1))):
+        assert torch.equal(b.epilogue(acc, z_x, colsum, s_x, s_w, bias), ref.epilogue(acc, z_x, colsum, s_x, s_w, bias))
+
+
+def _train_step(preset_args, M, K, N, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 2).requires_grad_()
+    W = (torch.randn(N, K, generator=g) * 0.05).requires_grad_()
+    b = torch.randn(N, generator=g).requires_grad_()
+    s_x, z_x = torch.tensor([0.02]).requires_grad_(), torch.tensor([3.0]).requires_grad_()
+    y = int_linear(x, W, b, s_x, z_x, None, **preset_args)
+    leaves = [x, W, b] if preset_args.get("x_dynamic") else [x, W, b, s_x, z_x]  # dynamic: no learned s_x, z_x
+    return (y.detach(), *torch.autograd.grad((y * torch.randn(M, N, generator=g)).sum(), leaves))
+
+
+@pytest.mark.parametrize("name", ["amx", "cpu_fused", "fp32_exact"])
+@pytest.mark.parametrize("preset_args", [{"grad_gemm": "fp32"}, {"x_dynamic": True, "grad_gemm": "fp32"}],
+                         ids=["static", "dynamic"])
+def test_int_linear_training_step_equals_the_reference(name, preset_args):
+    """Forward output, every gradient (STE masks, LSQ scale and zero point) of a whole training step:
+    the forced backend's step equals the reference's bit for bit. grad_gemm='fp32': whether the
+    digit backward pays depends on the backend that runs it, so 'int8x3' may pick another algorithm
+    under the reference; tests/test_digit_gemm.py compares the digit GEMMs with their reference."""
+    _runs_here(name)
+    M, K, N = 128, 1100, 512  # K past one exact fp32 slice; large enough for the digit backward
+    with backends.use_backend(name), backends.recording() as ran:
+        got = _train_step(preset_args, M, K, N)
+    want = _reference(_train_step, preset_args, M, K, N)
+    assert any(b == name for (_, b) in ran), ran
+    for u, v in zip(got, want):
+        assert torch.equal(u, v)
+
+
+def test_the_table_picks_by_capability_and_says_why():
+    """On any CPU: GEMMs never go to torch._int_mm where it is a scalar loop; traced calls go to the
+    reference; forcing a backend that cannot run here raises with the reason."""
+    from intqat.ops.cpu_features import cpu_has_int8_dot
+
+    a, b = _codes(4, 8), _codes(8, 4)
+    chosen = backends.select("int_mm", a, b, record=False).name
+    assert chosen == ("cpu_fused" if cpu_has_int8_dot() else "fp32_exact")
+    slow = backends.get("cpu_fused").slow("int_mm", None)
+    assert (slow is None) == cpu_has_int8_dot() and (slow is None or "scalar loop" in slow)
+    assert backends.select("quantize_rows", torch.randn(3, 3), record=False).name == "cpu_fused"
+    with pytest.raises(ValueError, match="unknown intqat backend 'cuda'.*fp32_exact"):
+        backends.use_backend("cuda").__enter__()
+    for name, _, reason in backends.summary():
+        if reason is not None:
+            with pytest.raises(RuntimeError, match=f"backend '{name}' cannot run here"):
+                backends.use_backend(name).__enter__()
+
+    def traced(a, b):
+        return int_mm(a, b)
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(traced)(a, b)
+    assert "aten._int_mm" in str(gm.graph)  # tracers see the portable op, whatever this CPU runs
+
+
+@pytest.mark.parametrize("name", ["amx", "cpu_fused", "fp32_exact"])
+def test_digit_matmul_equals_the_reference(name):
+    """The backward GEMM through three int8 digit planes: same bits from every backend (z and mask too)."""
+    from intqat.ops.digit_gemm import digit_matmul
+
+    _runs_here(name)
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(70, 1500, generator=g) * torch.logspace(-4, 2, 70).unsqueeze(1)
+    col_scale = torch.rand(1500, generator=g) + 0.1
+    q = _codes(1500, 90, seed=6)
+    mask = torch.rand(70, 90, generator=g) > 0.2
+    for z, m in ((0, None), (5, mask)):
+        with backends.use_backend(name), backends.recording() as ran:
+            got = digit_matmul(a, col_scale, q, z, m)
+        assert ran[("digit_matmul", name)] == 1
+        assert torch.equal(got, _reference(digit_matmul, a, col_scale, q, z, m))
