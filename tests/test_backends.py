@@ -15,7 +15,7 @@ import torch
 from intqat.ops import MAX_K_INT32, backends, int_linear, int_mm
 from intqat.ops.backends import EXACT_K
 
-CPU_BACKENDS = ["amx", "cpu_fused", "fp32_exact", "triton"]
+CPU_BACKENDS = ["amx", "cpu_fused", "avx2_int16", "fp32_exact", "triton"]
 
 
 def _runs_here(name):
@@ -33,7 +33,7 @@ def _reference(fn, *args):
         return fn(*args)
 
 
-@pytest.mark.parametrize("name", ["cpu_fused", "fp32_exact", "triton"])
+@pytest.mark.parametrize("name", ["cpu_fused", "avx2_int16", "fp32_exact", "triton"])
 @pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 33, 5), (64, EXACT_K, 48), (17, EXACT_K + 1, 9),
                                    (5, 3 * EXACT_K + 7, 6)])
 def test_int_mm_equals_the_reference(name, M, K, N):
@@ -58,7 +58,7 @@ def test_fp32_exact_is_exact_at_the_worst_case_of_each_slice():
         assert torch.equal(got, torch.full((3, 2), 2**14 * K, dtype=torch.int32)), K
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu_fused", "fp32_exact"])
+@pytest.mark.parametrize("name", ["reference", "cpu_fused", "avx2_int16", "fp32_exact"])
 def test_the_int32_edge_is_exact_or_a_clear_error(name):
     """K * 2^14 <= 2^31 - 1 is int32's bound: K = 131071 all -128 fits exactly; at 131072 the exact sum
     2^31 is one past int32's maximum, and 131073 beyond it: int_mm raises, never wraps."""
@@ -163,7 +163,7 @@ def _train_step(preset_args, M, K, N, seed=0):
     return (y.detach(), *torch.autograd.grad((y * torch.randn(M, N, generator=g)).sum(), leaves))
 
 
-@pytest.mark.parametrize("name", ["amx", "cpu_fused", "fp32_exact"])
+@pytest.mark.parametrize("name", ["amx", "cpu_fused", "avx2_int16", "fp32_exact"])
 @pytest.mark.parametrize("preset_args", [{"grad_gemm": "fp32"}, {"x_dynamic": True, "grad_gemm": "fp32"}],
                          ids=["static", "dynamic"])
 def test_int_linear_training_step_equals_the_reference(name, preset_args):
@@ -188,7 +188,8 @@ def test_the_table_picks_by_capability_and_says_why():
 
     a, b = _codes(4, 8), _codes(8, 4)
     chosen = backends.select("int_mm", a, b, record=False).name
-    assert chosen == ("cpu_fused" if cpu_has_int8_dot() else "fp32_exact")
+    no_dot = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
+    assert chosen == ("cpu_fused" if cpu_has_int8_dot() else no_dot)
     slow = backends.get("cpu_fused").slow("int_mm", None)
     assert (slow is None) == cpu_has_int8_dot() and (slow is None or "scalar loop" in slow)
     assert backends.select("quantize_rows", torch.randn(3, 3), record=False).name == "cpu_fused"
@@ -222,3 +223,40 @@ def test_digit_matmul_equals_the_reference(name):
             got = digit_matmul(a, col_scale, q, z, m)
         assert ran[("digit_matmul", name)] == 1
         assert torch.equal(got, _reference(digit_matmul, a, col_scale, q, z, m))
+
+
+@pytest.mark.parametrize("M,K,N", [(6, 2, 16), (5, 7, 15), (13, 31, 33), (1, 1024, 1)])
+def test_avx2_int16_edges_and_extreme_codes(M, K, N):
+    """The micro-kernel's 6x16 tiles, odd K (a zero pad element per pair) and the extreme codes
+    (-128 x -128 everywhere: every pair sum is 2^15, the value vpmaddwd must not saturate)."""
+    _runs_here("avx2_int16")
+    for a, b in ((_codes(M, K, seed=7), _codes(K, N, seed=8)),
+                 (torch.full((M, K), -128, dtype=torch.int8), torch.full((K, N), -128, dtype=torch.int8))):
+        with backends.use_backend("avx2_int16"):
+            got = int_mm(a, b)
+        assert torch.equal(got, _reference(int_mm, a, b))
+
+
+def test_emulating_a_cpu_without_int8_dot_units():
+    """INTQAT_EMULATE_NO_INT8_DOT=1 (what `intqat-bench` uses to show that class on any machine): the
+    GEMMs leave torch._int_mm and AMX, the backward keeps fp32 GEMMs, and the results stay the same bits."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from intqat.ops import backends, int_linear\n"
+        "from intqat.ops.cpu_features import cpu_class\n"
+        "from intqat.ops.digit_gemm import digits_pay\n"
+        "x = torch.randn(256, 1024, requires_grad=True); w = torch.randn(1024, 1024, requires_grad=True)\n"
+        "with backends.recording() as ran:\n"
+        "    y = int_linear(x, w, None, torch.tensor([0.05]), torch.tensor([1.0]), None); y.sum().backward()\n"
+        "gemms = sorted({b for (p, b) in ran if p in ('int_mm', 'linear', 'digit_matmul')})\n"
+        "print(cpu_class().split(' (')[0], gemms, digits_pay(256, 1024, 1024))\n"
+    )
+    env = {**os.environ, "INTQAT_EMULATE_NO_INT8_DOT": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    no_dot = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
+    assert r.stdout.strip() == f"no int8 dot-product units ['{no_dot}'] False"

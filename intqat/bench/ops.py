@@ -44,7 +44,12 @@ class OpsSettings:
 
 
 ANCHOR_MM = "torch._int_mm"
-FP32_EXACT = "[fp32_exact]"  # rows forced onto the no-int8-dot-product backend
+NO_DOT = "[no int8 dot]"  # rows forced onto the backend a CPU without int8 dot products takes
+
+
+def no_dot_backend() -> str:
+    """The backend the table picks for GEMMs on a CPU without int8 dot products (this build)."""
+    return "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
 ANCHOR_LINEAR = "nn.Linear fp32"
 MEM_ANCHOR = "torchao FakeQuantizedLinear"
 
@@ -103,8 +108,8 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     # the backend CPUs without int8 dot-product units take (exact fp32 GEMMs of the codes), forced here so
     # every run shows what such a CPU's intqat layer costs against fp32 on the same units
     lin = fresh()
-    name = f"intqat int_linear static w8a8 {FP32_EXACT}"
-    cands[name] = LinearCandidate(name, _forced_backend("fp32_exact", lambda xx, lin=lin, wq=wq: static(xx, lin, wq)),
+    name = f"intqat int_linear static w8a8 {NO_DOT}"
+    cands[name] = LinearCandidate(name, _forced_backend(no_dot_backend(), lambda xx, lin=lin, wq=wq: static(xx, lin, wq)),
                                   list(lin.parameters()))
 
     # the modules models actually run (observer on, as after prepare_qat)
@@ -121,8 +126,8 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
     il2 = FakeQuantLinear.from_linear(lin, w8a8).train()
     il2.input_quantizer.observe(x)
     il2 = IntLinear.from_fake_quant(il2).train()
-    name = f"intqat IntLinear w8a8 {FP32_EXACT}"
-    cands[name] = LinearCandidate(name, _forced_backend("fp32_exact", il2), list(il2.parameters()))
+    name = f"intqat IntLinear w8a8 {NO_DOT}"
+    cands[name] = LinearCandidate(name, _forced_backend(no_dot_backend(), il2), list(il2.parameters()))
 
     for name, build in (
         (MEM_ANCHOR, peers.torchao_qat),
@@ -181,7 +186,8 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "intqat int_mm": lambda: int_mm(a, b),
         "torch._int_mm, B = Wᵀ view": lambda: torch._int_mm(a, bt),
         "intqat int_mm, B = Wᵀ view": lambda: int_mm(a, bt),
-        f"intqat int_mm, B = Wᵀ view {FP32_EXACT}": _forced_backend("fp32_exact", lambda: int_mm(a, bt)),
+        "intqat int_mm, B = Wᵀ view [avx2_int16]": _forced_backend("avx2_int16", lambda: int_mm(a, bt)),
+        "intqat int_mm, B = Wᵀ view [fp32_exact]": _forced_backend("fp32_exact", lambda: int_mm(a, bt)),
         "fp32 torch.mm": lambda: torch.mm(af, bf),
     }
     assert torch.equal(int_mm(a, b), torch._int_mm(a, b)) and torch.equal(int_mm(a, bt), torch._int_mm(a, bt))
@@ -227,8 +233,8 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
     ops_lin = 3 * 2 * M * K * N  # y, grad_x, grad_w
     mem_anchor = saved.get(MEM_ANCHOR)
     order = [ANCHOR_LINEAR, "intqat int_linear static w8a8", "intqat int_linear static, grad_gemm=fp32",
-             "intqat int_linear dynamic per-token", f"intqat int_linear static w8a8 {FP32_EXACT}",
-             "intqat IntLinear w8a8", f"intqat IntLinear w8a8 {FP32_EXACT}", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
+             "intqat int_linear dynamic per-token", f"intqat int_linear static w8a8 {NO_DOT}",
+             "intqat IntLinear w8a8", f"intqat IntLinear w8a8 {NO_DOT}", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
              "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86"]
     marks = {}
     for n in order:
@@ -258,9 +264,10 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
         "what ran (linear / int_mm: the forward GEMM; digit_matmul: backward GEMMs on the int8 units, "
         "grad_gemm='int8x3' where they pay; passes: the elementwise quantize / epilogue / mask passes). The "
         "grad_gemm=fp32 row keeps both backward GEMMs in fp32. "
-        f"{FP32_EXACT} rows force the backend CPUs without int8 dot-product units take: the integer GEMM as exact "
-        "fp32 GEMMs of the codes (K slices of <= 1024), the backward in fp32: what such a CPU's intqat layer costs "
-        "against fp32 on the same units. "
+        f"{NO_DOT} rows force the backend CPUs without int8 dot-product units take (avx2_int16: exact int16 "
+        "multiply-adds, vpmaddwd; fp32_exact where the build has no AVX2: exact fp32 GEMMs of the codes in K slices "
+        "of <= 1024), the backward in fp32 (column 'backends' says which ran): what such a CPU's intqat layer costs "
+        "against fp32 on the same units. [avx2_int16] / [fp32_exact] int_mm rows force that backend. "
         "IntLinear / FakeQuantLinear: the modules, activation observer on. intqat rows use the fused CPU kernels "
         "when they are built (see the machine line).",
         "torchao FakeQuantizedLinear: int8 per-token activations (asymmetric: torchao 0.18 rejects symmetric "

@@ -7,6 +7,7 @@ were measured on; it uses these capabilities, which hold on every machine of a c
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 __all__ = ["cpu_info", "cpu_has_int8_dot", "cpu_class", "INT8_DOT_FLAGS"]
@@ -34,15 +35,26 @@ def cpu_info() -> tuple[str, frozenset[str]]:
     return model or platform.processor() or "unknown CPU", flags
 
 
+@functools.lru_cache(maxsize=1)
+def emulating_no_int8_dot() -> bool:
+    """INTQAT_EMULATE_NO_INT8_DOT=1 (read once): behave as on a CPU without int8 dot-product units
+    (the backend table takes the GEMMs off torch._int_mm and AMX, the backward keeps fp32 GEMMs), so
+    `intqat-bench` on any machine shows what that class of CPU runs. Numbers, not capabilities: the
+    units are still there, and the bench header says it is an emulation."""
+    return os.environ.get("INTQAT_EMULATE_NO_INT8_DOT", "0") not in ("", "0")
+
+
 def cpu_has_int8_dot() -> bool:
     """Does this CPU run int8 dot products natively (so torch._int_mm beats an fp32 GEMM)?"""
-    return bool(INT8_DOT_FLAGS & cpu_info()[1])
+    return bool(INT8_DOT_FLAGS & cpu_info()[1]) and not emulating_no_int8_dot()
 
 
 def cpu_class() -> str:
     """The class figures are reported for: 'AMX-INT8', 'VNNI, no AMX', 'Arm int8 dot', or
-    'no int8 dot-product units'."""
+    'no int8 dot-product units' (with ', emulated' under INTQAT_EMULATE_NO_INT8_DOT)."""
     flags = cpu_info()[1]
+    if emulating_no_int8_dot():
+        return "no int8 dot-product units (emulated by INTQAT_EMULATE_NO_INT8_DOT=1 on a CPU that has them)"
     if "amx_int8" in flags:
         return "AMX-INT8"
     if flags & {"avx512_vnni", "avx_vnni"}:

@@ -53,6 +53,8 @@ __all__ = [
     "amx_digit_matmul",
     "amx_linear",
     "scratch",
+    "int16_gemm_available",
+    "int16_gemm",
 ]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -81,6 +83,8 @@ _SIGNATURES = {
     "intqat_amx_pack_bt": [_P, _I, _I, _I, _I, _I, _P],
     # q_x, q_x tail, M, lda, bpack, Kp, N, z_x, colsum, s_x, sx_stride, s_w, bias, y
     "intqat_amx_linear": [_P, _P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
+    # (int16_gemm.c) a, M, K, a_rs, a_cs, b, N, b_rs, b_cs, a pack, b pack, c
+    "intqat_int16_gemm": [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -89,7 +93,7 @@ _load_tried = False
 _disabled_depth = 0
 
 
-_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c")  # compiled together into one library
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c")  # compiled together into one library
 
 
 def _sources() -> list[Path]:
@@ -435,3 +439,36 @@ def amx_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x: T
     _lib.intqat_amx_linear(a.data_ptr(), _ptr(tail), M, a.stride(0), bpack.data_ptr(), Kp, N, int(z_x), _ptr(cs),
                            s_x.data_ptr(), 1 if s_x.numel() > 1 else 0, s_w.data_ptr(), _ptr(b), y.data_ptr())
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact int8 GEMMs through AVX2's int16 multiply-add (kernels/cpu/int16_gemm.c)
+# ---------------------------------------------------------------------------------------------
+
+_int16: bool | None = None
+
+
+def int16_gemm_available() -> bool:
+    """The library is built with AVX2 (vpmaddwd)."""
+    global _int16
+    if not available():
+        return False
+    if _int16 is None:
+        _lib.intqat_int16_gemm_available.restype = ctypes.c_int
+        _int16 = bool(_lib.intqat_int16_gemm_available())
+    return _int16
+
+
+def int16_gemm(a: Tensor, b: Tensor) -> Tensor:
+    """a (M, K) int8 @ b (K, N) int8 -> (M, N) int32, exact, any strides, K <= MAX_K_INT32 (the
+    caller's bound). Call only if `int16_gemm_available()`."""
+    M, K = a.shape
+    N = b.shape[1]
+    kp = K + (K & 1)
+    ap = scratch("int16_a", (_round_up(M, 6) * kp,), torch.int16)
+    bp = scratch("int16_b", (_round_up(N, 16) * kp,), torch.int16)
+    c = torch.empty((M, N), dtype=torch.int32)
+    if M and N:
+        _lib.intqat_int16_gemm(a.data_ptr(), M, K, a.stride(0), a.stride(1), b.data_ptr(), N, b.stride(0), b.stride(1),
+                               ap.data_ptr(), bp.data_ptr(), c.data_ptr())
+    return c

@@ -30,6 +30,7 @@ from torch import Tensor
 from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
+from intqat.ops.masks import pack_mask, unpack_mask
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange
@@ -231,8 +232,10 @@ def _setup_context(ctx, inputs, output):
     x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale is not None and w_scale.requires_grad
     # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
+    # the clip masks as bits (intqat.ops.masks): 1/8 of the bytes of the bool masks
+    ctx.mask_shapes = (mask_x.shape, mask_w.shape)
     ctx.save_for_backward(
-        q_x, mask_x, q_w, mask_w, s_x, z_x, s_w,
+        q_x, pack_mask(mask_x), q_w, pack_mask(mask_w), s_x, z_x, s_w,
         x if x_lsq else None, weight if w_lsq else None,
     )
     ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
@@ -248,6 +251,7 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
         return (None,) * 14
     q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
+    mask_x, mask_w = (unpack_mask(m, shape) for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)

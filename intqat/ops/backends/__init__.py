@@ -4,13 +4,15 @@
     triton                   CUDA tensors (or forced: the interpreter)    int_mm, linear, STE backward GEMMs
     amx                      AMX-INT8 tiles                               linear (large layers), digit_matmul
     cpu_fused                the C kernels; GEMMs: int8 dot-product units GEMMs via torch._int_mm, every elementwise pass
+    avx2_int16               AVX2 (x86)                                   int_mm, linear (exact int16 multiply-adds)
     fp32_exact               fp32 only                                    int_mm, linear, digit_matmul (exact fp32 GEMMs of the codes)
     reference                torch                                        everything: the definition
 
 `select(primitive, *tensors)` returns the first backend that implements the primitive, can take the
 call (`Backend.refuse`: device, tracing, layout) and is not slow for it on this CPU (`Backend.slow`:
 CPU features, the shapes where a kernel measured faster). So on a CPU without int8
-dot products the GEMMs fall to fp32_exact (torch._int_mm is a scalar loop there) while the
+dot products the GEMMs fall to avx2_int16 (or fp32_exact without AVX2: torch._int_mm is a scalar
+loop there) while the
 elementwise passes stay on cpu_fused; under torch.compile / torch.export only the traceable
 reference (and triton) remain, so programs hold portable aten ops.
 
@@ -29,6 +31,7 @@ import os
 from torch import Tensor
 
 from intqat.ops.backends.amx import Amx, amx_forward_pays
+from intqat.ops.backends.avx2_int16 import Avx2Int16
 from intqat.ops.backends.base import Backend, plain_cpu, tracing
 from intqat.ops.backends.cpu_fused import CpuFused
 from intqat.ops.backends.fp32_exact import EXACT_K, Fp32Exact
@@ -40,7 +43,7 @@ __all__ = [
     "unavailable", "choices", "recording", "summary", "tracing", "plain_cpu", "amx_forward_pays",
 ]
 
-TABLE: tuple[Backend, ...] = (Triton(), Amx(), CpuFused(), Fp32Exact(), Reference())
+TABLE: tuple[Backend, ...] = (Triton(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
 _BY_NAME = {b.name: b for b in TABLE}
 _forced: list[str] = []
 _last: dict[str, str] = {}

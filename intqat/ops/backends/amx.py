@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from intqat.ops import cpu_kernels
 from intqat.ops.backends.cpu_fused import CpuFused
+from intqat.ops.cpu_features import cpu_has_int8_dot
 from intqat.ops.backends.reference import MAX_K_INT32
 
 __all__ = ["Amx", "amx_forward_pays"]
@@ -34,6 +35,8 @@ class Amx(CpuFused):
     primitives = frozenset({"linear", "digit_matmul"})
 
     def unavailable(self):
+        if not cpu_has_int8_dot():
+            return "no int8 dot-product units (or INTQAT_EMULATE_NO_INT8_DOT)"
         return super().unavailable() or (None if cpu_kernels.amx_available() else
                                          "this CPU (or kernel) has no AMX-INT8 tiles")
 
@@ -41,7 +44,7 @@ class Amx(CpuFused):
         reason = super().refuse(primitive, tensors, shape, traced)
         if reason is not None:
             return reason
-        if not cpu_kernels.amx_available():
+        if not cpu_kernels.amx_available() or not cpu_has_int8_dot():
             return "no AMX-INT8 tiles"
         if primitive == "linear":
             if not 0 < shape[1] <= MAX_K_INT32:

@@ -43,7 +43,7 @@ def int_mm_via_fp32(a, b):
 
 class Fp32Exact(Backend):
     name = "fp32_exact"
-    needs = "fp32 only (chosen where the CPU has no int8 dot-product units)"
+    needs = "fp32 only (the fallback without int8 dot products and without the AVX2 kernel)"
     # digit_matmul: exact (three fp32 GEMMs of the digit planes) but three times an fp32 GEMM's work,
     # so `digits_pay` never picks it: on this class the STE backward keeps its fp32 GEMMs
     primitives = frozenset({"int_mm", "linear", "digit_matmul"})

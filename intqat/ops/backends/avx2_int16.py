@@ -1,0 +1,47 @@
+"""Exact int8 GEMMs through AVX2's int16 multiply-add (kernels/cpu/int16_gemm.c): the first choice
+on x86 CPUs without int8 dot-product instructions (AVX2-only: AMD Zen 2 / Zen 3, Intel before
+Cascade Lake / Ice Lake).
+
+vpmaddwd does 16 int16 multiply-adds per instruction against an fp32 FMA's 8, exactly (int8 codes
+widened to int16; |a b| <= 2^14 and a pair sum <= 2^15 never saturate), with int32 accumulators:
+the same sums as torch._int_mm, bit for bit. Codes are widened and packed per call (the weights
+change every step). The elementwise passes stay cpu_fused's; fp32_exact is the fallback where the
+library was built without AVX2.
+"""
+
+from __future__ import annotations
+
+from intqat.ops import cpu_kernels
+from intqat.ops.backends.base import Backend, plain_cpu
+from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
+
+__all__ = ["Avx2Int16"]
+
+
+class Avx2Int16(Backend):
+    name = "avx2_int16"
+    needs = "x86 AVX2 and the fused C kernels (chosen where the CPU has no int8 dot-product units)"
+    primitives = frozenset({"int_mm", "linear"})
+
+    def unavailable(self):
+        if not cpu_kernels.available():
+            return "the fused C kernels are not built (no C compiler, or INTQAT_CPU_KERNELS=0)"
+        return None if cpu_kernels.int16_gemm_available() else "the kernels were built without AVX2"
+
+    def refuse(self, primitive, tensors, shape, traced):
+        if traced:
+            return "not while tracing"
+        if not plain_cpu(*tensors):
+            return "needs plain CPU tensors"
+        if not cpu_kernels.int16_gemm_available():
+            return "no AVX2 build of the kernels"
+        return None
+
+    def int_mm(self, a, b):
+        M, K = a.shape
+        if K > MAX_K_INT32:
+            return split_k(a, b, MAX_K_INT32, cpu_kernels.int16_gemm)
+        return cpu_kernels.int16_gemm(a, b)
+
+    def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
+        return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)

@@ -1,0 +1,108 @@
+/* Exact int8 GEMMs on CPUs without int8 dot-product instructions: AVX2's vpmaddwd.
+ *
+ * C (M, N) int32 = A (M, K) int8 @ B (K, N) int8, both with any strides. The codes are widened to
+ * int16 while packing; vpmaddwd multiplies 16 int16 pairs and adds each adjacent pair into an int32
+ * lane: 16 multiply-adds per instruction against an fp32 FMA's 8, and exact (|a b| <= 2^14, a pair
+ * sum <= 2^15, no saturation for int8 values). Lanes accumulate in int32 with vpaddd: the same exact
+ * sum as torch._int_mm while K * 2^14 <= 2^31 - 1 (the caller splits longer contractions).
+ *
+ * Packing (per call; weights change every step):
+ *   A: panels of 6 rows; per pair of contraction indices kp, 6 int32 words (a[r][2kp], a[r][2kp+1])
+ *   B: panels of 16 columns; per kp, 16 int32 words (b[2kp][n], b[2kp+1][n])
+ * The 6x16 micro-kernel keeps 12 accumulators (two 8-lane ymm per row) in registers over the whole
+ * contraction; rows / columns / K past the matrix are packed as zeros. Threads split the column
+ * panels (each packs and owns its panels of B).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+int intqat_int16_gemm_available(void) { return 1; }
+
+enum { MR = 6, NR = 16 };
+
+static void pack_a(const int8_t *a, int64_t M, int64_t K, int64_t rs, int64_t cs, int64_t kp2, int16_t *ap) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (M + MR - 1) / MR; ++p) {
+        int16_t *dst = ap + p * kp2 * MR * 2;
+        for (int64_t kp = 0; kp < kp2; ++kp)
+            for (int r = 0; r < MR; ++r)
+                for (int h = 0; h < 2; ++h) {
+                    const int64_t m = p * MR + r, k = 2 * kp + h;
+                    *dst++ = (m < M && k < K) ? a[m * rs + k * cs] : 0;
+                }
+    }
+}
+
+static void pack_b_panel(const int8_t *b, int64_t K, int64_t N, int64_t rs, int64_t cs, int64_t kp2, int64_t p,
+                         int16_t *dst) {
+    for (int64_t kp = 0; kp < kp2; ++kp)
+        for (int j = 0; j < NR; ++j)
+            for (int h = 0; h < 2; ++h) {
+                const int64_t n = p * NR + j, k = 2 * kp + h;
+                *dst++ = (n < N && k < K) ? b[k * rs + n * cs] : 0;
+            }
+}
+
+/* c[r][j] (+)= sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr */
+static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, int32_t *c, int64_t ldc,
+                               int mr, int nr) {
+    __m256i acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const int32_t *a32 = (const int32_t *)ap;
+    for (int64_t kp = 0; kp < kp2; ++kp) {
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)bp);
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bp + 16));
+        bp += 32;
+        for (int r = 0; r < MR; ++r) {
+            const __m256i av = _mm256_set1_epi32(a32[r]);
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
+        }
+        a32 += MR;
+    }
+    if (mr == MR && nr == NR) {
+        for (int r = 0; r < MR; ++r) {
+            _mm256_storeu_si256((__m256i *)(c + r * ldc), acc[r][0]);
+            _mm256_storeu_si256((__m256i *)(c + r * ldc + 8), acc[r][1]);
+        }
+        return;
+    }
+    int32_t tile[MR][NR];
+    for (int r = 0; r < MR; ++r) {
+        _mm256_storeu_si256((__m256i *)tile[r], acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(tile[r] + 8), acc[r][1]);
+    }
+    for (int r = 0; r < mr; ++r) memcpy(c + r * ldc, tile[r], (size_t)nr * sizeof(int32_t));
+}
+
+/* a (M, K): element (m, k) at a[m * a_rs + k * a_cs]; b (K, N): (k, n) at b[k * b_rs + n * b_cs];
+ * c (M, N) int32 row-major. ap: scratch of (M rounded up to 6) * (K rounded up to 2) int16;
+ * bp: scratch of (N rounded up to 16) * (K rounded up to 2) int16. */
+void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
+                       int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c) {
+    const int64_t kp2 = (K + 1) / 2, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
+    pack_a(a, M, K, a_rs, a_cs, kp2, ap);
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels_n; ++q) {
+        int16_t *bq = bp + q * kp2 * NR * 2;
+        pack_b_panel(b, K, N, b_rs, b_cs, kp2, q, bq);
+        const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
+        for (int64_t p = 0; p < panels_m; ++p) {
+            const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
+            kernel_6x16(ap + p * kp2 * MR * 2, bq, kp2, c + p * MR * N + q * NR, N, mr, nr);
+        }
+    }
+}
+#else
+int intqat_int16_gemm_available(void) { return 0; }
+void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
+                       int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c) {
+    (void)a; (void)M; (void)K; (void)a_rs; (void)a_cs; (void)b; (void)N; (void)b_rs; (void)b_cs;
+    (void)ap; (void)bp; (void)c;
+    abort(); /* never called: intqat_int16_gemm_available() says 0 */
+}
+#endif
