@@ -37,14 +37,53 @@ static void pack_a(const int8_t *a, int64_t M, int64_t K, int64_t rs, int64_t cs
     }
 }
 
+/* 8 x 8 transpose of 32-bit words: in r[i] the words of row i, out r[t] word t of every row. */
+static inline void transpose8x8_epi32(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+static inline int16_t b_at(const int8_t *b, int64_t K, int64_t N, int64_t rs, int64_t cs, int64_t k, int64_t n) {
+    return (n < N && k < K) ? b[k * rs + n * cs] : 0;
+}
+
+/* One 16-column panel of B as kp2 groups of 16 words (b[2kp][n], b[2kp+1][n]). Where each column
+ * is contiguous along k (rs == 1: B is the transpose of a row-major weight), 8 columns x 16 k at a
+ * time are widened and transposed in registers; the ragged edges element by element. */
 static void pack_b_panel(const int8_t *b, int64_t K, int64_t N, int64_t rs, int64_t cs, int64_t kp2, int64_t p,
                          int16_t *dst) {
-    for (int64_t kp = 0; kp < kp2; ++kp)
-        for (int j = 0; j < NR; ++j)
+    int32_t *dst32 = (int32_t *)dst;
+    const int64_t n0 = p * NR;
+    int64_t done = 0; /* kp groups written by the vector path */
+    if (rs == 1 && n0 + NR <= N) {
+        done = (K / 16) * 8;
+        for (int64_t blk = 0; blk < K / 16; ++blk)
             for (int h = 0; h < 2; ++h) {
-                const int64_t n = p * NR + j, k = 2 * kp + h;
-                *dst++ = (n < N && k < K) ? b[k * rs + n * cs] : 0;
+                __m256i r[8];
+                for (int i = 0; i < 8; ++i)
+                    r[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + (n0 + 8 * h + i) * cs + 16 * blk)));
+                transpose8x8_epi32(r);
+                for (int t = 0; t < 8; ++t) _mm256_storeu_si256((__m256i *)(dst32 + (8 * blk + t) * NR + 8 * h), r[t]);
             }
+    }
+    for (int64_t kp = done; kp < kp2; ++kp)
+        for (int j = 0; j < NR; ++j) {
+            dst[(kp * NR + j) * 2] = b_at(b, K, N, rs, cs, 2 * kp, n0 + j);
+            dst[(kp * NR + j) * 2 + 1] = b_at(b, K, N, rs, cs, 2 * kp + 1, n0 + j);
+        }
 }
 
 /* c[r][j] (+)= sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr */
