@@ -56,3 +56,19 @@ def test_gradients_with_packed_masks_equal_the_bool_mask_formula():
     x_hat = dequantize(q_x, s_x, z_x.to(torch.int32))
     assert torch.equal(gx, torch.where(mask_x, g @ w_hat, 0.0))
     assert torch.equal(gw, torch.where(mask_w, g.t() @ x_hat, 0.0))
+
+
+def test_the_c_pass_packs_the_same_bits_as_torch():
+    from intqat.ops import backends
+    from intqat.ops.masks import pack_mask_torch, unpack_mask_torch
+
+    if backends.unavailable("cpu_fused") is not None:
+        pytest.skip(f"cpu_fused cannot run here: {backends.unavailable('cpu_fused')}")
+    for shape in [(0,), (5,), (64,), (33, 65), (3, 7, 9)]:
+        mask = torch.rand(shape) < 0.4
+        with backends.use_backend("cpu_fused"), backends.recording() as ran:
+            packed = pack_mask(mask)
+            back = unpack_mask(packed, shape)
+        assert ran[("pack_mask", "cpu_fused")] == 1 and ran[("unpack_mask", "cpu_fused")] == 1
+        assert torch.equal(packed, pack_mask_torch(mask)) and torch.equal(back, unpack_mask_torch(packed, shape))
+        assert torch.equal(back, mask)

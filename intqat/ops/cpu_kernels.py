@@ -67,6 +67,9 @@ _SIGNATURES = {
     "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
     # g, mask, n
     "intqat_mask_zero": [_P, _P, _I],
+    # mask, n, packed / packed, n, mask
+    "intqat_pack_bits": [_P, _I, _P],
+    "intqat_unpack_bits": [_P, _I, _P],
     # acc, M, N, z_x, colsum, s_x, sx_stride, s_w, bias, y
     "intqat_epilogue": [_P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
     # q, rows, cols, scale, scale_stride, z, out
@@ -175,6 +178,11 @@ def available() -> bool:
     """True when the fused kernels are built, loaded and not switched off by `disabled()`."""
     # once loaded, no lock and no call: this runs per dispatch (and must not break dynamo's graphs)
     return _disabled_depth == 0 and (_lib is not None or (not _load_tried and _load() is not None))
+
+
+def disabled_depth() -> int:
+    """How many `disabled()` blocks are open (0: the kernels may run); part of dispatch's cache key."""
+    return _disabled_depth
 
 
 @contextlib.contextmanager
@@ -299,6 +307,23 @@ def mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
     if g.numel():
         _lib.intqat_mask_zero(g.data_ptr(), mask.data_ptr(), g.numel())
     return g
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """bool (...) -> uint8 (ceil(n / 8),): see intqat.ops.masks.pack_mask, the torch twin."""
+    mask = mask.contiguous()
+    out = torch.empty((mask.numel() + 7) // 8, dtype=torch.uint8)
+    if mask.numel():
+        _lib.intqat_pack_bits(mask.data_ptr(), mask.numel(), out.data_ptr())
+    return out
+
+
+def unpack_bits(packed: Tensor, shape) -> Tensor:
+    """uint8 from pack_bits -> bool `shape`: see intqat.ops.masks.unpack_mask, the torch twin."""
+    out = torch.empty(shape, dtype=torch.bool)
+    if out.numel():
+        _lib.intqat_unpack_bits(packed.contiguous().data_ptr(), out.numel(), out.data_ptr())
+    return out
 
 
 def epilogue(acc: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale: Tensor,

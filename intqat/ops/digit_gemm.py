@@ -74,8 +74,8 @@ def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
       M*N*K >= 2^24 (grad_w's 3x larger int32 output made it slower than fp32);
     - anything else (no int8 dot-product units: the digits would be three fp32 GEMMs): never.
     """
-    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32:
-        return False
+    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32 or M * N * K < 2**24:
+        return False  # (no backend's digit GEMM pays below 2^24 multiply-adds)
     # the run-time choice: traced (compile's backward graph) the GEMM is the opaque intqat::digit_matmul,
     # which runs the eager kernels, so the traced graph must decide as eager does
     b = backends.select("digit_matmul", record=False, at_run_time=True)

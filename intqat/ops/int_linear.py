@@ -225,6 +225,10 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w
     )
 
 
+def _packed(mask: Tensor) -> Tensor:
+    return pack_mask(mask) if mask.numel() else mask  # no mask (nothing clips): nothing to pack
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _, *rest = inputs
     grad_gemm = rest[0] if rest else "int8x3"  # the schema's default, when a caller leaves it out
@@ -235,7 +239,7 @@ def _setup_context(ctx, inputs, output):
     # the clip masks as bits (intqat.ops.masks): 1/8 of the bytes of the bool masks
     ctx.mask_shapes = (mask_x.shape, mask_w.shape)
     ctx.save_for_backward(
-        q_x, pack_mask(mask_x), q_w, pack_mask(mask_w), s_x, z_x, s_w,
+        q_x, _packed(mask_x), q_w, _packed(mask_w), s_x, z_x, s_w,
         x if x_lsq else None, weight if w_lsq else None,
     )
     ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
@@ -251,7 +255,7 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
         return (None,) * 14
     q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
-    mask_x, mask_w = (unpack_mask(m, shape) for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
+    mask_x, mask_w = (unpack_mask(m, shape) if m.numel() else m for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)

@@ -115,6 +115,22 @@ void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] = mask[i] ? g[i] : 0.0f;
 }
 
+/* STE clip masks as bits (intqat/ops/masks.py): bit i of byte j is mask[8 j + i]; n elements. */
+void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed) {
+    const int64_t bytes = (n + 7) / 8;
+    OMP_FOR
+    for (int64_t j = 0; j < bytes; ++j) {
+        uint8_t b = 0;
+        for (int i = 0; i < 8 && 8 * j + i < n; ++i) b |= (uint8_t)((mask[8 * j + i] != 0) << i);
+        packed[j] = b;
+    }
+}
+
+void intqat_unpack_bits(const uint8_t *packed, int64_t n, uint8_t *mask) {
+    OMP_FOR
+    for (int64_t k = 0; k < n; ++k) mask[k] = (packed[k >> 3] >> (k & 7)) & 1;
+}
+
 /* The integer epilogue, acc (M, N) int32 -> y (M, N) fp32, row m with activation scale s_x[m * sx_stride]
  * (epilogue.h has the expression). */
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum,

@@ -30,9 +30,10 @@ import os
 
 from torch import Tensor
 
+from intqat.ops import cpu_kernels
 from intqat.ops.backends.amx import Amx, amx_forward_pays
 from intqat.ops.backends.avx2_int16 import Avx2Int16
-from intqat.ops.backends.base import Backend, plain_cpu, tracing
+from intqat.ops.backends.base import Backend, eager_cpu, plain_cpu, tracing
 from intqat.ops.backends.cpu_fused import CpuFused
 from intqat.ops.backends.fp32_exact import EXACT_K, Fp32Exact
 from intqat.ops.backends.reference import MAX_K_INT32, Reference
@@ -95,27 +96,47 @@ def select(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | Non
     (the Triton-only fused STE backward). record=False: a question, not a call (not counted).
     at_run_time: the backend an eager run on plain CPU tensors would take, even while tracing (a
     traced graph that holds an opaque op choosing its kernels when it runs asks this)."""
-    traced = False if at_run_time else tracing(*tensors)
     if at_run_time:
         tensors = ()
-    chosen = None
+    key = None
+    if at_run_time or eager_cpu(tensors):
+        # eager CPU calls (the hot path: ~10 per layer and step) decide from what the key holds:
+        # the forced backend, whether the C kernels are switched off, and for the GEMMs (whose
+        # backends look at them) the shape and the layout
+        key = (primitive, _forced[-1] if _forced else None, cpu_kernels.disabled_depth(), shape,
+               shape is not None and all(t is None or t.is_contiguous() for t in tensors))
+        chosen = _decided.get(key)
+        if chosen is not None:
+            return _note(primitive, chosen, record)
+        traced = False
+    else:
+        traced = tracing(*tensors)
+    chosen = _choose(primitive, tensors, shape, traced)
+    if chosen is not None and key is not None and len(_decided) < 4096:
+        _decided[key] = chosen
+    return _note(primitive, chosen, record and not traced)  # a traced call runs later, as its graph
+
+
+_decided: dict[tuple, Backend] = {}
+
+
+def _choose(primitive, tensors, shape, traced) -> Backend | None:
     if _forced:
         b = _BY_NAME[_forced[-1]]
         if primitive in b.primitives and b.refuse(primitive, tensors, shape, traced) is None:
-            chosen = b
-    if chosen is None:
-        for b in TABLE:
-            if (primitive in b.primitives and b.refuse(primitive, tensors, shape, traced) is None
-                    and b.slow(primitive, shape) is None):
-                chosen = b
-                break
-        else:
-            return None
-    if not record or traced:  # records say what eager calls ran (a traced call runs later, as its graph)
-        return chosen
-    _last[primitive] = chosen.name
-    for counter in _recorders:
-        counter[(primitive, chosen.name)] += 1
+            return b
+    for b in TABLE:
+        if (primitive in b.primitives and b.refuse(primitive, tensors, shape, traced) is None
+                and b.slow(primitive, shape) is None):
+            return b
+    return None
+
+
+def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | None:
+    if record and chosen is not None:
+        _last[primitive] = chosen.name
+        for counter in _recorders:
+            counter[(primitive, chosen.name)] += 1
     return chosen
 
 

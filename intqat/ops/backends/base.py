@@ -15,6 +15,7 @@ The primitives (the same signature in every backend that implements them):
     digit_matmul(a, col_scale, q, z, mask)   the backward GEMM on the int8 units (digit_gemm.py)
     quantize_rows / quantize_rows_dynamic / fake_quantize_rows / dequantize_rows / mask_zero_
                                              the elementwise passes (quant.py's formulas)
+    pack_mask / unpack_mask                  clip masks as bits for backward (masks.py)
     ste_grad_input / ste_grad_weight         the whole STE backward GEMM with its mask (Triton)
 
 The plain-torch backend (`reference`) implements them all and is their definition: every other
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.utils import _python_dispatch
 
-__all__ = ["Backend", "tracing", "plain_cpu"]
+__all__ = ["Backend", "tracing", "plain_cpu", "eager_cpu"]
 
 _Parameter = torch.nn.Parameter
 
@@ -41,6 +42,16 @@ def tracing(*tensors: Tensor | None) -> bool:
     if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
         return True
     return any(t is not None and type(t) is not Tensor and type(t) is not _Parameter for t in tensors)
+
+
+def eager_cpu(tensors: tuple[Tensor | None, ...]) -> bool:
+    """Plain CPU tensors and nothing tracing: the hot case, checked in one go (cheapest tests first)."""
+    for t in tensors:
+        if t is not None and ((type(t) is not Tensor and type(t) is not _Parameter) or not t.is_cpu):
+            return False
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    return not torch._C._are_functorch_transforms_active() and _python_dispatch._get_current_dispatch_mode() is None
 
 
 def plain_cpu(*tensors: Tensor | None) -> bool:

@@ -27,7 +27,7 @@ class CpuFused(Backend):
     needs = "a C compiler (kernels built on first use); integer GEMMs: int8 dot-product units (torch._int_mm)"
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask",
     })
 
     def unavailable(self):
@@ -102,3 +102,9 @@ class CpuFused(Backend):
 
     def mask_zero_(self, g, mask):
         return cpu_kernels.mask_zero_(g, mask)
+
+    def pack_mask(self, mask):
+        return cpu_kernels.pack_bits(mask)
+
+    def unpack_mask(self, packed, shape):
+        return cpu_kernels.unpack_bits(packed, shape)

@@ -66,7 +66,7 @@ class Reference(Backend):
     needs = "torch only (the definition; what tracers and exported programs see)"
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask",
     })
     traceable = True
 
@@ -160,3 +160,13 @@ class Reference(Backend):
     def mask_zero_(self, g, mask):
         """where(mask, g, 0) (a new tensor: tracers see no in-place update)."""
         return torch.where(mask, g, 0.0)
+
+    def pack_mask(self, mask):
+        from intqat.ops.masks import pack_mask_torch
+
+        return pack_mask_torch(mask)
+
+    def unpack_mask(self, packed, shape):
+        from intqat.ops.masks import unpack_mask_torch
+
+        return unpack_mask_torch(packed, shape)
