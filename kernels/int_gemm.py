@@ -28,11 +28,9 @@ _FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)  # zero points, column sums
 
 
-def get_autotune_config() -> list[triton.Config]:
-    if triton.knobs.runtime.interpret:
-        # The interpreter runs one program at a time in numpy: one config (no benchmarking),
-        # tiles big enough to keep the program count low.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+def gpu_configs() -> list[triton.Config]:
+    """The GPU autotune configs, whatever TRITON_INTERPRET says (`intqat-bench kernels`
+    compiles each of them for sm_80 / sm_90)."""
     # int8 tensor-core dots need BLOCK_K >= 32 on NVIDIA.
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
@@ -42,6 +40,14 @@ def get_autotune_config() -> list[triton.Config]:
         triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
         triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
     ]
+
+
+def get_autotune_config() -> list[triton.Config]:
+    if triton.knobs.runtime.interpret:
+        # The interpreter runs one program at a time in numpy: one config (no benchmarking),
+        # tiles big enough to keep the program count low.
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+    return gpu_configs()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,17 +256,14 @@ def kernel_op(name: str) -> Callable:
     return register
 
 
-def _launch(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None, w_scale=None,
-            bias=None, out_inv_scale=None, out_zero_point=None, out_qmin=-128, out_qmax=127):
+def gemm_launch_args(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None, w_scale=None,
+                     bias=None, out_inv_scale=None, out_zero_point=None, out_qmin=-128,
+                     out_qmax=127) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _int_gemm_kernel launch; the autotuner adds
+    the config's. Shared with `intqat-bench kernels`, which compiles the kernel for these."""
     M, K = a.shape
     N = b.shape[1]
-    if launches_skipped():
-        return c
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-    wrap_triton(_int_gemm_kernel)[grid](
+    args = (
         a, b, c,
         x_zero_point, w_colsum, x_scale, w_scale, bias, out_inv_scale, out_zero_point,
         M, N, K,
@@ -268,9 +271,20 @@ def _launch(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None
         vector_stride(x_zero_point), vector_stride(w_colsum), vector_stride(x_scale),
         vector_stride(w_scale), vector_stride(bias),
         out_qmin, out_qmax,
-        EPILOGUE=epilogue,
-        HAS_BIAS=bias is not None,
     )
+    return args, {"EPILOGUE": epilogue, "HAS_BIAS": bias is not None}
+
+
+def _launch(a, b, c, epilogue, **vectors):
+    M, N = a.shape[0], b.shape[1]
+    if launches_skipped():
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    args, constexprs = gemm_launch_args(a, b, c, epilogue, **vectors)
+    wrap_triton(_int_gemm_kernel)[grid](*args, **constexprs)
     return c
 
 

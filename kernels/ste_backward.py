@@ -34,12 +34,10 @@ from intqat.kernels.int_gemm import (
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def get_autotune_config() -> list[triton.Config]:
-    """Configs of both kernels: BLOCK_R tiles the reduction axis (N for grad_input, M for
-    grad_weight), BLOCK_O the output rows. The output's K tile is fixed (_BLOCK_K) so the
-    LSQ partial sums have a shape the launcher knows."""
-    if triton.knobs.runtime.interpret:
-        return [triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 4})]
+def gpu_configs() -> list[triton.Config]:
+    """GPU configs of both kernels, whatever TRITON_INTERPRET says: BLOCK_R tiles the reduction
+    axis (N for grad_input, M for grad_weight), BLOCK_O the output rows. The output's K tile
+    is fixed (GPU_BLOCK_K) so the LSQ partial sums have a shape the launcher knows."""
     return [
         triton.Config({"BLOCK_O": 128, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=8),
         triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=4, num_warps=4),
@@ -48,7 +46,14 @@ def get_autotune_config() -> list[triton.Config]:
     ]
 
 
-_BLOCK_K = 32 if triton.knobs.runtime.interpret else 64
+def get_autotune_config() -> list[triton.Config]:
+    if triton.knobs.runtime.interpret:
+        return [triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 4})]
+    return gpu_configs()
+
+
+GPU_BLOCK_K = 64
+_BLOCK_K = 32 if triton.knobs.runtime.interpret else GPU_BLOCK_K
 
 
 @triton.jit
@@ -242,6 +247,21 @@ def _check_grad_input(grad_out: Tensor, q_w: Tensor, w_scale: Tensor, mask_x: Op
     check_same_device(grad_out=grad_out, q_w=q_w, w_scale=w_scale, mask_x=mask_x)
 
 
+def grad_input_launch_args(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat, block_k=None) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _ste_grad_input_kernel launch; shared with
+    `intqat-bench kernels`, which compiles the kernel for these."""
+    M, N = grad_out.shape
+    K = q_w.shape[1]
+    args = (
+        grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat,
+        M, N, K,
+        grad_out.stride(0), grad_out.stride(1), q_w.stride(0), q_w.stride(1), vector_stride(w_scale),
+        mask_x.stride(0) if mask_x is not None else 0, mask_x.stride(1) if mask_x is not None else 0,
+        grad_xhat.stride(0), grad_xhat.stride(1),
+    )
+    return args, {"HAS_MASK": mask_x is not None, "BLOCK_K": block_k or _BLOCK_K}
+
+
 def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> None:
     M, N = grad_out.shape
     K = q_w.shape[1]
@@ -251,15 +271,8 @@ def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> Non
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
 
-    wrap_triton(_ste_grad_input_kernel)[grid](
-        grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat,
-        M, N, K,
-        grad_out.stride(0), grad_out.stride(1), q_w.stride(0), q_w.stride(1), vector_stride(w_scale),
-        mask_x.stride(0) if mask_x is not None else 0, mask_x.stride(1) if mask_x is not None else 0,
-        grad_xhat.stride(0), grad_xhat.stride(1),
-        HAS_MASK=mask_x is not None,
-        BLOCK_K=_BLOCK_K,
-    )
+    args, constexprs = grad_input_launch_args(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat)
+    wrap_triton(_ste_grad_input_kernel)[grid](*args, **constexprs)
 
 
 @kernel_op("intqat::ste_grad_xhat")
@@ -317,18 +330,14 @@ def _check_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w) -> tuple[in
     return M, N, K
 
 
-def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *, weight=None, w_inv_scale=None,
-                        grad_s_partial=None, w_qmin=0, w_qmax=0) -> None:
+def grad_weight_launch_args(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *, weight=None, w_inv_scale=None,
+                            grad_s_partial=None, w_qmin=0, w_qmax=0, block_k=None) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _ste_grad_weight_kernel launch; shared with
+    `intqat-bench kernels`, which compiles the kernel for these."""
     M, N = grad_out.shape
     K = q_x.shape[1]
-    if N == 0 or K == 0 or launches_skipped():  # M == 0 runs: the kernel writes zeros
-        return
-
-    def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
-
     lsq = weight is not None
-    wrap_triton(_ste_grad_weight_kernel)[grid](
+    args = (
         grad_out, q_x, x_scale, x_zero_point, mask_w, weight, w_inv_scale, grad_w, grad_s_partial,
         M, N, K,
         grad_out.stride(0), grad_out.stride(1), q_x.stride(0), q_x.stride(1),
@@ -338,10 +347,21 @@ def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *,
         grad_w.stride(0), grad_w.stride(1),
         grad_s_partial.stride(0) if lsq else 0, grad_s_partial.stride(1) if lsq else 0,
         w_qmin, w_qmax,
-        HAS_MASK=mask_w is not None,
-        LSQ=lsq,
-        BLOCK_K=_BLOCK_K,
     )
+    return args, {"HAS_MASK": mask_w is not None, "LSQ": lsq, "BLOCK_K": block_k or _BLOCK_K}
+
+
+def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, **lsq) -> None:
+    N = grad_out.shape[1]
+    K = q_x.shape[1]
+    if N == 0 or K == 0 or launches_skipped():  # M == 0 runs: the kernel writes zeros
+        return
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
+
+    args, constexprs = grad_weight_launch_args(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, **lsq)
+    wrap_triton(_ste_grad_weight_kernel)[grid](*args, **constexprs)
 
 
 @kernel_op("intqat::ste_grad_weight_plain")
