@@ -23,23 +23,64 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+from triton.language.extra import libdevice
 
 _FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)  # zero points, column sums
 
 
+# GPU configs, checked by `intqat-bench kernels` (ptxas for sm_80 and sm_90, no GPU needed): each
+# compiles without spills for every epilogue and holds int8 tensor-core instructions (IMMA on
+# sm_80; IGMMA = wgmma on sm_90 where BLOCK_M >= 64). int8 tensor-core dots need BLOCK_K >= 32.
+# Triton specializes on 16-byte alignment, and the cubins differ: aligned operands load in vectors
+# through cp.async; ragged ones (K or N not a multiple of 16) load bytewise, their pipeline staged in
+# registers, so they get smaller tiles.
+ALIGNED_CONFIGS = [
+    # dropped: 128x256x64 w8 s3. Its 128-register int32 accumulator plus the float epilogue needs
+    # more than 255 registers: spilled 632 B on sm_80 (every epilogue) and 252 B on sm_90 (+bias).
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),  # 242-244 regs sm_80
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),  # up to 254 regs sm_80
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),  # IMMA on sm_90 too
+]
+RAGGED_CONFIGS = [
+    # every aligned config above spills on ragged operands (24-960 B, e.g. 128x64x64 w4 s3: 960 B
+    # on sm_90; 64x128x64 w4 s3: 844 B on sm_90); these two do not, on either arch.
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
+]
+
+
 def gpu_configs() -> list[triton.Config]:
-    """The GPU autotune configs, whatever TRITON_INTERPRET says (`intqat-bench kernels`
-    compiles each of them for sm_80 / sm_90)."""
-    # int8 tensor-core dots need BLOCK_K >= 32 on NVIDIA.
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
-    ]
+    """Every GPU autotune config, whatever TRITON_INTERPRET says (the aligned ones, then the ragged)."""
+    return ALIGNED_CONFIGS + RAGGED_CONFIGS
+
+
+def is_aligned(tensors) -> bool:
+    """True when Triton specializes every one of these 2-D tensors as 16-aligned: base address
+    and every stride other than 1 divisible by 16. False also where that cannot be read (fake
+    tensors): the ragged configs are safe everywhere, only slower."""
+    try:
+        return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride() if st != 1) for t in tensors)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def alignment_pruner(aligned: list, ragged: list, operands: tuple[str, ...]) -> Callable:
+    """An early_config_prune for triton.autotune: the aligned or the ragged configs, from the
+    alignment of the launch's main operands (named args). The interpreter's config passes through."""
+
+    def prune(configs, named_args, **kwargs):
+        if triton.knobs.runtime.interpret:
+            return configs
+        chosen = aligned if is_aligned([named_args[name] for name in operands]) else ragged
+        return [c for c in configs if any(c is x for x in chosen)]
+
+    return prune
+
+
+prune_configs = alignment_pruner(ALIGNED_CONFIGS, RAGGED_CONFIGS, ("a_ptr", "b_ptr"))
 
 
 def get_autotune_config() -> list[triton.Config]:
@@ -71,6 +112,24 @@ def round_half_even(x):
     return tl.where(a < 8388608.0, r, x)  # also passes inf / nan through
 
 
+# mul_rn(x, y): the fp32 product, rounded once and never fused with a following add. NUMERICS.md
+# rounds each epilogue step separately; on a GPU, Triton's default fp fusion would contract
+# `float(acc) * scale + bias` into one fma (one rounding: other bits than the CPU path, seen in
+# the PTX as fma.rn.f32). PTX mul.rn (libdevice mul_rn) is never contracted. The interpreter's
+# numpy multiply rounds once and fuses nothing, and it has no libdevice.
+if triton.knobs.runtime.interpret:
+
+    @triton.jit
+    def mul_rn(x, y):
+        return x * y
+
+else:
+
+    @triton.jit
+    def mul_rn(x, y):
+        return libdevice.mul_rn(x, y)
+
+
 @triton.jit
 def to_bfloat16_rtne(x):
     # fp32 -> bf16 rounding to nearest even (torch's .to(torch.bfloat16)), the same on GPU and
@@ -81,7 +140,8 @@ def to_bfloat16_rtne(x):
     return tl.where(x != x, x, rounded).to(tl.bfloat16)
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_configs})
 @triton.jit
 def _int_gemm_kernel(
     # pointers
@@ -166,7 +226,7 @@ def _int_gemm_kernel(
         # y[m, n] = float32(acc[m, n]) * (s_x[m] * s_w[n]) + bias[n]     one rounding per step
         x_scale = tl.load(x_scale_ptr + offs_m * stride_xs, mask=mask_m, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n * stride_ws, mask=mask_n, other=0.0)
-        y = acc.to(tl.float32) * (x_scale[:, None] * w_scale[None, :])
+        y = mul_rn(acc.to(tl.float32), x_scale[:, None] * w_scale[None, :])  # not fused with + bias
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
             y = y + bias[None, :]

@@ -22,11 +22,13 @@ from torch.library import wrap_triton
 
 from intqat.kernels.int_gemm import (
     _INT_DTYPES,
+    alignment_pruner,
     check_matrix,
     check_same_device,
     check_vector,
     kernel_op,
     launches_skipped,
+    mul_rn,
     round_half_even,
     vector_stride,
 )
@@ -34,22 +36,48 @@ from intqat.kernels.int_gemm import (
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def gpu_configs() -> list[triton.Config]:
-    """GPU configs of both kernels, whatever TRITON_INTERPRET says: BLOCK_R tiles the reduction
-    axis (N for grad_input, M for grad_weight), BLOCK_O the output rows. The output's K tile
-    is fixed (GPU_BLOCK_K) so the LSQ partial sums have a shape the launcher knows."""
-    return [
-        triton.Config({"BLOCK_O": 128, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_O": 64, "BLOCK_R": 64, "GROUP": 8}, num_stages=3, num_warps=4),
-        triton.Config({"BLOCK_O": 32, "BLOCK_R": 64, "GROUP": 8}, num_stages=4, num_warps=4),
-    ]
+# GPU configs, checked by `intqat-bench kernels` for sm_80 and sm_90 (see int_gemm.py's note):
+# BLOCK_R tiles the reduction axis (N for grad_input, M for grad_weight), BLOCK_O the output rows.
+# The output's K tile is fixed (GPU_BLOCK_K) so the LSQ partial sums have a shape the launcher knows.
+# fp32 dots (input_precision="ieee") run on the FMA units and hold both operand tiles in registers,
+# so the tiles are smaller than the int8 GEMM's.
+GRAD_INPUT_ALIGNED = [
+    # dropped: 64x64 w4 s3 (spilled 564 B on sm_80) and 32x64 w4 s4 (52 B on sm_80)
+    triton.Config({"BLOCK_O": 128, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=4, num_warps=4),
+]
+GRAD_INPUT_RAGGED = [
+    # 128x32 w8 and 64x32 w4 spill 56-180 B on sm_80 with ragged operands, at any stage count
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=4),
+]
+GRAD_WEIGHT_ALIGNED = [
+    # every former config spilled (128x32 w8 s3: 684 B, 64x32 w4 s4: 696 B, 64x64 w4 s3: 8 KiB,
+    # 32x64 w4 s4: 3.7 KiB): the transposed grad_out tile and x_hat in fp32 both sit in registers
+    triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=8),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=4),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 16, "GROUP": 8}, num_stages=2, num_warps=4),
+]
+GRAD_WEIGHT_RAGGED = [
+    # 64x32 w8 s2 spills 8 B on sm_90 with ragged operands
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=4),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 16, "GROUP": 8}, num_stages=2, num_warps=4),
+]
 
 
-def get_autotune_config() -> list[triton.Config]:
+def gpu_configs(kernel: str) -> list[triton.Config]:
+    """GPU configs of "grad_input" or "grad_weight", whatever TRITON_INTERPRET says."""
+    return {"grad_input": GRAD_INPUT_ALIGNED + GRAD_INPUT_RAGGED,
+            "grad_weight": GRAD_WEIGHT_ALIGNED + GRAD_WEIGHT_RAGGED}[kernel]
+
+
+def get_autotune_config(kernel: str) -> list[triton.Config]:
     if triton.knobs.runtime.interpret:
         return [triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 4})]
-    return gpu_configs()
+    return gpu_configs(kernel)
+
+
+prune_grad_input_configs = alignment_pruner(GRAD_INPUT_ALIGNED, GRAD_INPUT_RAGGED, ("grad_out_ptr", "q_w_ptr"))
+prune_grad_weight_configs = alignment_pruner(GRAD_WEIGHT_ALIGNED, GRAD_WEIGHT_RAGGED, ("grad_out_ptr", "q_x_ptr"))
 
 
 GPU_BLOCK_K = 64
@@ -68,7 +96,8 @@ def _grouped_pids(pid, num_pid_o, num_pid_k, GROUP: tl.constexpr):
     return pid_o, pid_k
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config("grad_input"), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_grad_input_configs})
 @triton.jit
 def _ste_grad_input_kernel(
     # pointers
@@ -129,7 +158,8 @@ def _ste_grad_input_kernel(
         tl.store(grad_x_ptr + out_offs, acc * keep.to(tl.float32), mask=mask_o)
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config("grad_weight"), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_grad_weight_configs})
 @triton.jit
 def _ste_grad_weight_kernel(
     # pointers
@@ -214,7 +244,7 @@ def _ste_grad_weight_kernel(
         w = tl.load(weight_ptr + offs_n[:, None] * stride_wt_n + offs_k[None, :] * stride_wt_k,
                     mask=mask_o, other=0.0).to(tl.float32)
         inv_s = tl.load(w_inv_scale_ptr + offs_n * stride_wis, mask=mask_n, other=0.0)
-        v = w * inv_s[:, None]
+        v = mul_rn(w, inv_s[:, None])  # rounded before r - v, as on the CPU (no fma)
         r = round_half_even(v)
         lo = w_qmin * 1.0  # int -> fp32, also if the launcher specialized it to a constant
         hi = w_qmax * 1.0

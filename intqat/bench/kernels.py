@@ -49,8 +49,18 @@ class KernelCase:
     kernel: Any  # the @triton.autotune object, as the launcher launches it
     args: tuple
     constexprs: dict
-    configs: list  # triton.Config
-    tensor_cores: bool  # an int8 GEMM: its SASS must hold int8 tensor-core instructions
+    configs: list  # triton.Config: the ones the autotuner keeps for these arguments (its early_config_prune)
+    tensor_cores: bool  # an int8 GEMM: its SASS must hold int8 tensor-core instructions, and its
+    # float epilogue no fp32 fma (NUMERICS.md rounds the product and the bias add separately)
+
+
+def _kept(kernel, prune: Callable, configs: list, args: tuple) -> list:
+    """The GPU configs the kernel's autotuner keeps for a launch with these arguments."""
+    import triton
+
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False  # the pruner passes everything through in the interpreter
+        return prune(configs, dict(zip(kernel.arg_names, args)))
 
 
 def _gemm_cases(shape: str) -> list[KernelCase]:
@@ -67,7 +77,8 @@ def _gemm_cases(shape: str) -> list[KernelCase]:
 
     def add(variant, b, c, epilogue, **vectors):
         args, constexprs = g.gemm_launch_args(a, b, c, epilogue, **vectors)
-        cases.append(KernelCase("int_gemm", variant, shape, g._int_gemm_kernel, args, constexprs, g.gpu_configs(), True))
+        cases.append(KernelCase("int_gemm", variant, shape, g._int_gemm_kernel, args, constexprs,
+                                _kept(g._int_gemm_kernel, g.prune_configs, g.gpu_configs(), args), True))
 
     # int_mm: b (K, N) row-major, as torch._int_mm's callers pass it
     add("int_mm", torch.zeros(K, N, dtype=i8), torch.empty(M, N, dtype=i32), "none")
@@ -104,8 +115,9 @@ def _ste_cases(shape: str) -> list[KernelCase]:
             out = torch.empty(M, K)
             args, constexprs = s.grad_input_launch_args(g, q_w, torch.ones(N), mask, out if masked else None, out,
                                                         block_k=s.GPU_BLOCK_K)
+            configs = _kept(s._ste_grad_input_kernel, s.prune_grad_input_configs, s.gpu_configs("grad_input"), args)
             cases.append(KernelCase("ste_grad_input", f"{dt}{' mask' if masked else ''}", shape,
-                                    s._ste_grad_input_kernel, args, constexprs, s.gpu_configs(), False))
+                                    s._ste_grad_input_kernel, args, constexprs, configs, False))
         for masked in (False, True):
             for lsq in (False, True):
                 for per_row in (False, True) if dtype == f32 and not masked and not lsq else (False,):
@@ -117,8 +129,10 @@ def _ste_cases(shape: str) -> list[KernelCase]:
                     args, constexprs = s.grad_weight_launch_args(g, q_x, x_scale, x_zp, mask, torch.empty(N, K),
                                                                  block_k=s.GPU_BLOCK_K, **extra)
                     name = dt + "".join(t for t, on in ((" mask", masked), (" lsq", lsq), (" per-row x", per_row)) if on)
+                    configs = _kept(s._ste_grad_weight_kernel, s.prune_grad_weight_configs,
+                                    s.gpu_configs("grad_weight"), args)
                     cases.append(KernelCase("ste_grad_weight", name, shape, s._ste_grad_weight_kernel, args,
-                                            constexprs, s.gpu_configs(), False))
+                                            constexprs, configs, False))
     return cases
 
 
@@ -166,6 +180,8 @@ def problems(record: dict) -> list[str]:
         out.append("shared memory")
     if record["tensor_cores"] and not record["int8_mma"]:
         out.append("no int8 tensor cores")
+    if record["tensor_cores"] and record["ptx_fp32_fma"]:
+        out.append("fused fp32 epilogue (fma)")
     return out
 
 
@@ -175,7 +191,7 @@ def compile_case(case: KernelCase, config, arch: ArchLimits) -> dict:
         "kernel": case.kernel_name, "variant": case.variant, "shape": case.shape, "config": config_label(config),
         "arch": arch.name, "smem_per_block": arch.smem_per_block, "tensor_cores": case.tensor_cores, "error": None,
         "registers": None, "stack": None, "spill_store_bytes": 0, "spill_load_bytes": 0, "shared": 0, "int8_mma": {},
-        "blocks_per_sm": None, "occupancy": None,
+        "ptx_fp32_fma": 0, "blocks_per_sm": None, "occupancy": None,
     }
     t0 = time.perf_counter()
     try:
@@ -187,6 +203,7 @@ def compile_case(case: KernelCase, config, arch: ArchLimits) -> dict:
         blocks, occ = occupancy(stats, arch)
         record.update(registers=stats.registers, stack=stats.stack, spill_store_bytes=stats.spill_store_bytes,
                       spill_load_bytes=stats.spill_load_bytes, shared=stats.shared, int8_mma=dict(stats.int8_mma),
+                      ptx_fp32_fma=stats.ptx_fp32_fma,
                       blocks_per_sm=blocks, occupancy=round(occ, 4))
     record["seconds"] = round(time.perf_counter() - t0, 2)
     record["problems"] = problems(record)
@@ -195,8 +212,9 @@ def compile_case(case: KernelCase, config, arch: ArchLimits) -> dict:
 
 def compile_records(archs: Iterable[str], shapes: Iterable[str] = tuple(SHAPES), kernels: Optional[Iterable[str]] = None,
                     variants: Optional[Iterable[str]] = None, configs: Optional[Iterable[str]] = None,
-                    progress: Callable[[str], None] | None = None) -> list[dict]:
+                    progress: Callable[[str], None] | None = None, only: Optional[list] = None) -> list[dict]:
     """Compile every selected case x GPU config (by label, None: all) x arch; -> one record each.
+    `only`: a list of [kernel, variant, shape] to keep (None: every selected case).
 
     Where this process's triton interprets (TRITON_INTERPRET=1, as in the test suite), the
     compiles run in a child process without the variable (see triton_target) and the records
@@ -204,11 +222,14 @@ def compile_records(archs: Iterable[str], shapes: Iterable[str] = tuple(SHAPES),
     """
     request = {"archs": list(archs), "shapes": list(shapes), "kernels": None if kernels is None else list(kernels),
                "variants": None if variants is None else list(variants),
-               "configs": None if configs is None else list(configs)}
+               "configs": None if configs is None else list(configs),
+               "only": None if only is None else [list(t) for t in only]}
+    arch_limits = [parse_arch(a) for a in request["archs"]]  # bad names fail here, not in the child
+    cases = select_cases(request["shapes"], request["kernels"], request["variants"])
+    if only is not None:
+        cases = [c for c in cases if [c.kernel_name, c.variant, c.shape] in request["only"]]
     if interpreting():
         return _compile_in_child(request, progress is not None)
-    arch_limits = [parse_arch(a) for a in request["archs"]]
-    cases = select_cases(request["shapes"], request["kernels"], request["variants"])
     jobs = [(case, config, arch) for case in cases for config in case.configs
             if configs is None or config_label(config) in request["configs"] for arch in arch_limits]
     records = []
@@ -277,6 +298,8 @@ def format_table(records: list[dict]) -> Table:
         "occupancy: resident blocks per SM and warps / max warps, from registers, shared memory and warps (estimate).",
         "int8 tensor-core SASS: IMMA = mma.sync (sm_80+), IGMMA = wgmma (sm_90). The STE kernels are fp32 dots "
         "(input_precision='ieee'): FMA units, no tensor cores by design.",
+        "int_gemm rows also fail on an fp32 fma in the PTX: the epilogue must round float(acc) * scale and + bias "
+        "separately, as the CPU path does.",
         f"{len(records) - len(failed)} of {len(records)} compiles pass; {len(failed)} fail.",
     ]
     return t

@@ -133,6 +133,7 @@ class CubinStats:
     num_warps: int
     int8_mma: Counter  # SASS opcode (e.g. "IMMA.16832.S8.S8.SAT") -> count
     float_mma: Counter
+    ptx_fp32_fma: int  # fma.rn.f32 in the PTX: fp32 multiply-adds, explicit or contracted by fp fusion
     sass: str
 
 
@@ -169,6 +170,7 @@ def cubin_stats(compiled: Any) -> CubinStats:
         num_warps=int(compiled.metadata.num_warps),
         int8_mma=Counter(m.group(0) for m in _TENSOR_CORE.finditer(sass)),
         float_mma=Counter(m.group(0) for m in _FLOAT_TENSOR_CORE.finditer(sass)),
+        ptx_fp32_fma=len(re.findall(r"\bfma\.rn(?:\.ftz)?\.f32\b", compiled.asm["ptx"])),
         sass=sass,
     )
 
