@@ -10,7 +10,8 @@ One kernel serves four ops; a constexpr picks the epilogue:
 The linear ops read q_w (N, K) through its strides as b = q_wᵀ (K, N): no copy. Per-tensor
 vectors (scale / zero point of shape (1,)) are read with stride 0, per-row ones with their
 own stride, so one code path covers both. int32 accumulation is exact while the true
-|acc| < 2^31 (NUMERICS.md: K <= 131072 for int8 codes); beyond, it wraps like torch._int_mm.
+|acc| < 2^31 (NUMERICS.md: K <= 131071 for int8 codes); beyond, the interpreter wraps like
+torch._int_mm, while on a GPU Triton's int8 mma.sync (sm_80) saturates (satfinite, in its PTX).
 """
 
 from __future__ import annotations
