@@ -10,7 +10,8 @@ One kernel serves four ops; a constexpr picks the epilogue:
 The linear ops read q_w (N, K) through its strides as b = q_wᵀ (K, N): no copy. Per-tensor
 vectors (scale / zero point of shape (1,)) are read with stride 0, per-row ones with their
 own stride, so one code path covers both. int32 accumulation is exact while the true
-|acc| < 2^31 (NUMERICS.md: K <= 131072 for int8 codes); beyond, it wraps like torch._int_mm.
+|acc| < 2^31 (NUMERICS.md: K <= 131071 for int8 codes); beyond, the interpreter wraps like
+torch._int_mm, while on a GPU Triton's int8 mma.sync (sm_80) saturates (satfinite, in its PTX).
 """
 
 from __future__ import annotations
@@ -23,9 +24,64 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
+from triton.language.extra import libdevice
 
 _FLOAT_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INT_DTYPES = (torch.int32, torch.int64)  # zero points, column sums
+
+
+# GPU configs, checked by `intqat-bench kernels` (ptxas for sm_80 and sm_90, no GPU needed): each
+# compiles without spills for every epilogue and holds int8 tensor-core instructions (IMMA on
+# sm_80; IGMMA = wgmma on sm_90 where BLOCK_M >= 64). int8 tensor-core dots need BLOCK_K >= 32.
+# Triton specializes on 16-byte alignment, and the cubins differ: aligned operands load in vectors
+# through cp.async; ragged ones (K or N not a multiple of 16) load bytewise, their pipeline staged in
+# registers, so they get smaller tiles.
+ALIGNED_CONFIGS = [
+    # dropped: 128x256x64 w8 s3. Its 128-register int32 accumulator plus the float epilogue needs
+    # more than 255 registers: spilled 632 B on sm_80 (every epilogue) and 252 B on sm_90 (+bias).
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),  # 242-244 regs sm_80
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),  # up to 254 regs sm_80
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),  # IMMA on sm_90 too
+]
+RAGGED_CONFIGS = [
+    # every aligned config above spills on ragged operands (24-960 B, e.g. 128x64x64 w4 s3: 960 B
+    # on sm_90; 64x128x64 w4 s3: 844 B on sm_90); these two do not, on either arch.
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
+]
+
+
+def gpu_configs() -> list[triton.Config]:
+    """Every GPU autotune config, whatever TRITON_INTERPRET says (the aligned ones, then the ragged)."""
+    return ALIGNED_CONFIGS + RAGGED_CONFIGS
+
+
+def is_aligned(tensors) -> bool:
+    """True when Triton specializes every one of these 2-D tensors as 16-aligned: base address
+    and every stride other than 1 divisible by 16. False also where that cannot be read (fake
+    tensors): the ragged configs are safe everywhere, only slower."""
+    try:
+        return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride() if st != 1) for t in tensors)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def alignment_pruner(aligned: list, ragged: list, operands: tuple[str, ...]) -> Callable:
+    """An early_config_prune for triton.autotune: the aligned or the ragged configs, from the
+    alignment of the launch's main operands (named args). The interpreter's config passes through."""
+
+    def prune(configs, named_args, **kwargs):
+        if triton.knobs.runtime.interpret:
+            return configs
+        chosen = aligned if is_aligned([named_args[name] for name in operands]) else ragged
+        return [c for c in configs if any(c is x for x in chosen)]
+
+    return prune
+
+
+prune_configs = alignment_pruner(ALIGNED_CONFIGS, RAGGED_CONFIGS, ("a_ptr", "b_ptr"))
 
 
 def get_autotune_config() -> list[triton.Config]:
@@ -33,15 +89,7 @@ def get_autotune_config() -> list[triton.Config]:
         # The interpreter runs one program at a time in numpy: one config (no benchmarking),
         # tiles big enough to keep the program count low.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
-    # int8 tensor-core dots need BLOCK_K >= 32 on NVIDIA.
-    return [
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
-        triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
-        triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
-    ]
+    return gpu_configs()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +113,24 @@ def round_half_even(x):
     return tl.where(a < 8388608.0, r, x)  # also passes inf / nan through
 
 
+# mul_rn(x, y): the fp32 product, rounded once and never fused with a following add. NUMERICS.md
+# rounds each epilogue step separately; on a GPU, Triton's default fp fusion would contract
+# `float(acc) * scale + bias` into one fma (one rounding: other bits than the CPU path, seen in
+# the PTX as fma.rn.f32). PTX mul.rn (libdevice mul_rn) is never contracted. The interpreter's
+# numpy multiply rounds once and fuses nothing, and it has no libdevice.
+if triton.knobs.runtime.interpret:
+
+    @triton.jit
+    def mul_rn(x, y):
+        return x * y
+
+else:
+
+    @triton.jit
+    def mul_rn(x, y):
+        return libdevice.mul_rn(x, y)
+
+
 @triton.jit
 def to_bfloat16_rtne(x):
     # fp32 -> bf16 rounding to nearest even (torch's .to(torch.bfloat16)), the same on GPU and
@@ -75,7 +141,8 @@ def to_bfloat16_rtne(x):
     return tl.where(x != x, x, rounded).to(tl.bfloat16)
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_configs})
 @triton.jit
 def _int_gemm_kernel(
     # pointers
@@ -160,7 +227,7 @@ def _int_gemm_kernel(
         # y[m, n] = float32(acc[m, n]) * (s_x[m] * s_w[n]) + bias[n]     one rounding per step
         x_scale = tl.load(x_scale_ptr + offs_m * stride_xs, mask=mask_m, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n * stride_ws, mask=mask_n, other=0.0)
-        y = acc.to(tl.float32) * (x_scale[:, None] * w_scale[None, :])
+        y = mul_rn(acc.to(tl.float32), x_scale[:, None] * w_scale[None, :])  # not fused with + bias
         if HAS_BIAS:
             bias = tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0).to(tl.float32)
             y = y + bias[None, :]
@@ -250,17 +317,14 @@ def kernel_op(name: str) -> Callable:
     return register
 
 
-def _launch(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None, w_scale=None,
-            bias=None, out_inv_scale=None, out_zero_point=None, out_qmin=-128, out_qmax=127):
+def gemm_launch_args(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None, w_scale=None,
+                     bias=None, out_inv_scale=None, out_zero_point=None, out_qmin=-128,
+                     out_qmax=127) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _int_gemm_kernel launch; the autotuner adds
+    the config's. Shared with `intqat-bench kernels`, which compiles the kernel for these."""
     M, K = a.shape
     N = b.shape[1]
-    if launches_skipped():
-        return c
-
-    def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-    wrap_triton(_int_gemm_kernel)[grid](
+    args = (
         a, b, c,
         x_zero_point, w_colsum, x_scale, w_scale, bias, out_inv_scale, out_zero_point,
         M, N, K,
@@ -268,9 +332,20 @@ def _launch(a, b, c, epilogue, *, x_zero_point=None, w_colsum=None, x_scale=None
         vector_stride(x_zero_point), vector_stride(w_colsum), vector_stride(x_scale),
         vector_stride(w_scale), vector_stride(bias),
         out_qmin, out_qmax,
-        EPILOGUE=epilogue,
-        HAS_BIAS=bias is not None,
     )
+    return args, {"EPILOGUE": epilogue, "HAS_BIAS": bias is not None}
+
+
+def _launch(a, b, c, epilogue, **vectors):
+    M, N = a.shape[0], b.shape[1]
+    if launches_skipped():
+        return c
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    args, constexprs = gemm_launch_args(a, b, c, epilogue, **vectors)
+    wrap_triton(_int_gemm_kernel)[grid](*args, **constexprs)
     return c
 
 

@@ -22,11 +22,13 @@ from torch.library import wrap_triton
 
 from intqat.kernels.int_gemm import (
     _INT_DTYPES,
+    alignment_pruner,
     check_matrix,
     check_same_device,
     check_vector,
     kernel_op,
     launches_skipped,
+    mul_rn,
     round_half_even,
     vector_stride,
 )
@@ -34,21 +36,52 @@ from intqat.kernels.int_gemm import (
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def get_autotune_config() -> list[triton.Config]:
-    """Configs of both kernels: BLOCK_R tiles the reduction axis (N for grad_input, M for
-    grad_weight), BLOCK_O the output rows. The output's K tile is fixed (_BLOCK_K) so the
-    LSQ partial sums have a shape the launcher knows."""
+# GPU configs, checked by `intqat-bench kernels` for sm_80 and sm_90 (see int_gemm.py's note):
+# BLOCK_R tiles the reduction axis (N for grad_input, M for grad_weight), BLOCK_O the output rows.
+# The output's K tile is fixed (GPU_BLOCK_K) so the LSQ partial sums have a shape the launcher knows.
+# fp32 dots (input_precision="ieee") run on the FMA units and hold both operand tiles in registers,
+# so the tiles are smaller than the int8 GEMM's.
+GRAD_INPUT_ALIGNED = [
+    # dropped: 64x64 w4 s3 (spilled 564 B on sm_80) and 32x64 w4 s4 (52 B on sm_80)
+    triton.Config({"BLOCK_O": 128, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=4, num_warps=4),
+]
+GRAD_INPUT_RAGGED = [
+    # 128x32 w8 and 64x32 w4 spill 56-180 B on sm_80 with ragged operands, at any stage count
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=4),
+]
+GRAD_WEIGHT_ALIGNED = [
+    # every former config spilled (128x32 w8 s3: 684 B, 64x32 w4 s4: 696 B, 64x64 w4 s3: 8 KiB,
+    # 32x64 w4 s4: 3.7 KiB): the transposed grad_out tile and x_hat in fp32 both sit in registers
+    triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=8),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=4),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 16, "GROUP": 8}, num_stages=2, num_warps=4),
+]
+GRAD_WEIGHT_RAGGED = [
+    # 64x32 w8 s2 spills 8 B on sm_90 with ragged operands
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 8}, num_stages=2, num_warps=4),
+    triton.Config({"BLOCK_O": 32, "BLOCK_R": 16, "GROUP": 8}, num_stages=2, num_warps=4),
+]
+
+
+def gpu_configs(kernel: str) -> list[triton.Config]:
+    """GPU configs of "grad_input" or "grad_weight", whatever TRITON_INTERPRET says."""
+    return {"grad_input": GRAD_INPUT_ALIGNED + GRAD_INPUT_RAGGED,
+            "grad_weight": GRAD_WEIGHT_ALIGNED + GRAD_WEIGHT_RAGGED}[kernel]
+
+
+def get_autotune_config(kernel: str) -> list[triton.Config]:
     if triton.knobs.runtime.interpret:
         return [triton.Config({"BLOCK_O": 32, "BLOCK_R": 32, "GROUP": 4})]
-    return [
-        triton.Config({"BLOCK_O": 128, "BLOCK_R": 32, "GROUP": 8}, num_stages=3, num_warps=8),
-        triton.Config({"BLOCK_O": 64, "BLOCK_R": 32, "GROUP": 8}, num_stages=4, num_warps=4),
-        triton.Config({"BLOCK_O": 64, "BLOCK_R": 64, "GROUP": 8}, num_stages=3, num_warps=4),
-        triton.Config({"BLOCK_O": 32, "BLOCK_R": 64, "GROUP": 8}, num_stages=4, num_warps=4),
-    ]
+    return gpu_configs(kernel)
 
 
-_BLOCK_K = 32 if triton.knobs.runtime.interpret else 64
+prune_grad_input_configs = alignment_pruner(GRAD_INPUT_ALIGNED, GRAD_INPUT_RAGGED, ("grad_out_ptr", "q_w_ptr"))
+prune_grad_weight_configs = alignment_pruner(GRAD_WEIGHT_ALIGNED, GRAD_WEIGHT_RAGGED, ("grad_out_ptr", "q_x_ptr"))
+
+
+GPU_BLOCK_K = 64
+_BLOCK_K = 32 if triton.knobs.runtime.interpret else GPU_BLOCK_K
 
 
 @triton.jit
@@ -63,7 +96,8 @@ def _grouped_pids(pid, num_pid_o, num_pid_k, GROUP: tl.constexpr):
     return pid_o, pid_k
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config("grad_input"), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_grad_input_configs})
 @triton.jit
 def _ste_grad_input_kernel(
     # pointers
@@ -124,7 +158,8 @@ def _ste_grad_input_kernel(
         tl.store(grad_x_ptr + out_offs, acc * keep.to(tl.float32), mask=mask_o)
 
 
-@triton.autotune(configs=get_autotune_config(), key=["M", "N", "K"])
+@triton.autotune(configs=get_autotune_config("grad_weight"), key=["M", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_grad_weight_configs})
 @triton.jit
 def _ste_grad_weight_kernel(
     # pointers
@@ -209,7 +244,7 @@ def _ste_grad_weight_kernel(
         w = tl.load(weight_ptr + offs_n[:, None] * stride_wt_n + offs_k[None, :] * stride_wt_k,
                     mask=mask_o, other=0.0).to(tl.float32)
         inv_s = tl.load(w_inv_scale_ptr + offs_n * stride_wis, mask=mask_n, other=0.0)
-        v = w * inv_s[:, None]
+        v = mul_rn(w, inv_s[:, None])  # rounded before r - v, as on the CPU (no fma)
         r = round_half_even(v)
         lo = w_qmin * 1.0  # int -> fp32, also if the launcher specialized it to a constant
         hi = w_qmax * 1.0
@@ -242,6 +277,21 @@ def _check_grad_input(grad_out: Tensor, q_w: Tensor, w_scale: Tensor, mask_x: Op
     check_same_device(grad_out=grad_out, q_w=q_w, w_scale=w_scale, mask_x=mask_x)
 
 
+def grad_input_launch_args(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat, block_k=None) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _ste_grad_input_kernel launch; shared with
+    `intqat-bench kernels`, which compiles the kernel for these."""
+    M, N = grad_out.shape
+    K = q_w.shape[1]
+    args = (
+        grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat,
+        M, N, K,
+        grad_out.stride(0), grad_out.stride(1), q_w.stride(0), q_w.stride(1), vector_stride(w_scale),
+        mask_x.stride(0) if mask_x is not None else 0, mask_x.stride(1) if mask_x is not None else 0,
+        grad_xhat.stride(0), grad_xhat.stride(1),
+    )
+    return args, {"HAS_MASK": mask_x is not None, "BLOCK_K": block_k or _BLOCK_K}
+
+
 def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> None:
     M, N = grad_out.shape
     K = q_w.shape[1]
@@ -251,15 +301,8 @@ def _launch_grad_input(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat) -> Non
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
 
-    wrap_triton(_ste_grad_input_kernel)[grid](
-        grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat,
-        M, N, K,
-        grad_out.stride(0), grad_out.stride(1), q_w.stride(0), q_w.stride(1), vector_stride(w_scale),
-        mask_x.stride(0) if mask_x is not None else 0, mask_x.stride(1) if mask_x is not None else 0,
-        grad_xhat.stride(0), grad_xhat.stride(1),
-        HAS_MASK=mask_x is not None,
-        BLOCK_K=_BLOCK_K,
-    )
+    args, constexprs = grad_input_launch_args(grad_out, q_w, w_scale, mask_x, grad_x, grad_xhat)
+    wrap_triton(_ste_grad_input_kernel)[grid](*args, **constexprs)
 
 
 @kernel_op("intqat::ste_grad_xhat")
@@ -317,18 +360,14 @@ def _check_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w) -> tuple[in
     return M, N, K
 
 
-def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *, weight=None, w_inv_scale=None,
-                        grad_s_partial=None, w_qmin=0, w_qmax=0) -> None:
+def grad_weight_launch_args(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *, weight=None, w_inv_scale=None,
+                            grad_s_partial=None, w_qmin=0, w_qmax=0, block_k=None) -> tuple[tuple, dict]:
+    """(positional args, constexpr kwargs) of one _ste_grad_weight_kernel launch; shared with
+    `intqat-bench kernels`, which compiles the kernel for these."""
     M, N = grad_out.shape
     K = q_x.shape[1]
-    if N == 0 or K == 0 or launches_skipped():  # M == 0 runs: the kernel writes zeros
-        return
-
-    def grid(meta):
-        return (triton.cdiv(N, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
-
     lsq = weight is not None
-    wrap_triton(_ste_grad_weight_kernel)[grid](
+    args = (
         grad_out, q_x, x_scale, x_zero_point, mask_w, weight, w_inv_scale, grad_w, grad_s_partial,
         M, N, K,
         grad_out.stride(0), grad_out.stride(1), q_x.stride(0), q_x.stride(1),
@@ -338,10 +377,21 @@ def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, *,
         grad_w.stride(0), grad_w.stride(1),
         grad_s_partial.stride(0) if lsq else 0, grad_s_partial.stride(1) if lsq else 0,
         w_qmin, w_qmax,
-        HAS_MASK=mask_w is not None,
-        LSQ=lsq,
-        BLOCK_K=_BLOCK_K,
     )
+    return args, {"HAS_MASK": mask_w is not None, "LSQ": lsq, "BLOCK_K": block_k or _BLOCK_K}
+
+
+def _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, **lsq) -> None:
+    N = grad_out.shape[1]
+    K = q_x.shape[1]
+    if N == 0 or K == 0 or launches_skipped():  # M == 0 runs: the kernel writes zeros
+        return
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_O"]) * triton.cdiv(K, _BLOCK_K),)
+
+    args, constexprs = grad_weight_launch_args(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, **lsq)
+    wrap_triton(_ste_grad_weight_kernel)[grid](*args, **constexprs)
 
 
 @kernel_op("intqat::ste_grad_weight_plain")

@@ -8,6 +8,10 @@
     intqat-bench export              exported mixed-precision program vs fp32 eager (digits MLP)
     intqat-bench compile             torch.compile vs eager train step of the integer MLP and CNN
     intqat-bench profile             torch.profiler top ops of int_linear forward+backward
+    intqat-bench kernels --arch sm_80,sm_90   the Triton kernels compiled for NVIDIA GPUs, no GPU needed
+                                     (registers, spills, shared memory, tensor cores; exit 1 on a failure)
+    intqat-bench gpu                 Triton kernels vs cuBLASLt / bf16 / torchao on a CUDA device
+                                     (exit 3 where there is none)
 
 Every number is a ratio against an anchor timed in the same run (see intqat.bench.timing); run
 on a quiet machine: the header prints the load average, and with 2 cores another busy process
@@ -46,6 +50,17 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("-M", type=int, default=None, help="rows of x (tokens); default 256")
             sp.add_argument("-K", type=int, default=None, help="in features; default 1024")
             sp.add_argument("-N", type=int, default=None, help="out features; default 1024")
+    sp = sub.add_parser("kernels", help="compile every Triton kernel for NVIDIA GPUs (no GPU needed)")
+    sp.add_argument("--arch", default="sm_80,sm_90", help="comma-separated targets: sm_80, sm_86, sm_89, sm_90")
+    sp.add_argument("--shapes", default="aligned,ragged", help="shape classes: aligned (K, N %% 16 == 0), ragged")
+    sp.add_argument("--kernel", default=None, help="only these kernels (comma-separated): int_gemm, ste_grad_input, "
+                    "ste_grad_weight")
+    sp.add_argument("--quiet", action="store_true", help="no progress line per compile on stderr")
+    sp.add_argument("--json", metavar="PATH", default=None, help="also write every compile's record as JSON")
+    sp = sub.add_parser("gpu", help="time the Triton kernels against their peers on a CUDA device")
+    sp.add_argument("--quick", action="store_true", help="small shapes, few repeats: a smoke run")
+    sp.add_argument("--repeats", type=int, default=None, help="timed repeats per candidate (median reported)")
+    sp.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
     return p
 
 
@@ -67,6 +82,8 @@ def _modules_settings(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("kernels", "gpu"):
+        return _gpu_command(args)
     if args.repeats is not None and args.repeats < 1:
         print("intqat-bench: --repeats must be >= 1", file=sys.stderr)
         return 2
@@ -115,6 +132,34 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(out, f, indent=1, default=str)
         os.replace(tmp, args.json)
     return 0
+
+
+def _gpu_command(args) -> int:
+    """`kernels` and `gpu`: their own exit codes (kernels: 1 = a compile failed; gpu: 3 = no CUDA device)."""
+    out: dict = {}
+    t0 = time.perf_counter()
+    if args.command == "kernels":
+        from intqat.bench import kernels
+
+        try:
+            code = kernels.main(args.arch, args.shapes, args.kernel, out, quiet=args.quiet)
+        except ValueError as e:  # an unknown arch / shape class / kernel name
+            print(f"intqat-bench kernels: {e}", file=sys.stderr)
+            return 2
+    else:
+        from intqat.bench import gpu
+
+        if args.repeats is not None and args.repeats < 1:
+            print("intqat-bench: --repeats must be >= 1", file=sys.stderr)
+            return 2
+        code = gpu.main(quick=args.quick, repeats=args.repeats, json_out=out)
+    print(f"intqat-bench {args.command}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.json and out:
+        tmp = f"{args.json}.tmp"  # written whole, then renamed: never a half file
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        os.replace(tmp, args.json)
+    return code
 
 
 if __name__ == "__main__":
