@@ -144,3 +144,12 @@ def test_a_nan_batch_under_lightning_stops_training_naming_what(tmp_path, intege
         assert torch.isfinite(model.net[0].input_quantizer.scale).all()
     # the integer layer raised in the forward; the loss check runs after that batch's optimizer step
     assert trainer.global_step == (2 if integer_at == 0 else 3)
+
+
+def test_huge_finite_inputs_are_not_taken_for_inf():
+    """The cheap check is a float32 sum, which overflows on huge finite values: it is then confirmed
+    element by element, and the layer goes on."""
+    model = _integer(_mlp, "w8a8", frozen=True).train()
+    x = torch.full((4, 16), 3e37)  # sums to inf in float32; every element finite
+    assert not torch.isfinite(x.sum()) and torch.isfinite(x).all()
+    model(x)

@@ -196,13 +196,15 @@ class ActivationQuantizer(nn.Module):
 
         Refused, not ignored: int8 codes cannot hold NaN / inf, so the layer would return finite
         numbers that no loss check can tell from good ones, and the optimizer would step on them.
-        The check reuses the observer's aminmax when it ran; else one aminmax pass over x.
+        The check reuses the observer's aminmax when it ran; else one sum over x.
         """
         finite = self._observe(x) if self.observing else None
         if self.training and x.numel() and not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
             if finite is None:
-                lo, hi = torch.aminmax(x.detach())
-                finite = math.isfinite(float(lo)) and math.isfinite(float(hi))
+                # a sum is NaN / inf iff an element is, or the finite ones overflow float32: the cheap
+                # reduction (~16x faster than aminmax on this CPU), confirmed exactly when it trips
+                finite = math.isfinite(float(x.detach().sum(dtype=torch.float32)))
+                finite = finite or bool(torch.isfinite(x.detach()).all())
             if not finite:
                 raise NonFiniteInputError(
                     f"intqat: the input of integer {self._where()} holds NaN / inf in training: int8 codes cannot "
