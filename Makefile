@@ -1,6 +1,7 @@
 # Two commands a newcomer needs: `make run` and `make test`. Each builds .venv from nothing
-# the first time (torch from the CPU wheel on this machine's disk: pinned in pyproject.toml),
-# and installs nothing on later calls unless pyproject.toml changed.
+# the first time (torch 2.13.0 from the CPU wheel on this machine's disk: pinned in
+# constraints.txt, while pyproject.toml names the range users may have), and installs nothing on
+# later calls unless pyproject.toml or constraints.txt changed.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,10 +9,11 @@ STAMP  := $(VENV)/.intqat-installed
 
 .PHONY: run test test-slow bench clean
 
-$(STAMP): pyproject.toml
+CONSTRAINTS := constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -7,6 +7,8 @@
     ...keep training; the forward is the deployed arithmetic...
 """
 
+# (imported for its side effect: LightningModule.load_from_checkpoint may use intqat's instantiator)
+from intqat import checkpoint as _checkpoint  # noqa: F401
 from intqat.config import PRESETS, QuantConfig, QuantSpec, resolve_config
 from intqat.convert import (
     calibrate,

@@ -2,27 +2,23 @@
 training on a schedule, keeps the optimizer's state across the swaps, checkpoints the module
 structure, logs per-layer quantization error and stops on a non-finite loss or scale.
 
-Checkpoints. Lightning loads a LightningModule's weights *before* callbacks see the checkpoint
-(checkpoint_connector.py: restore_model, then restore_callbacks), so the quantized layers must
-exist before the callback hears of it. Every checkpoint records them in checkpoint["intqat"], and
-a LightningModule rebuilds them in its own hook, which Lightning calls before loading the weights:
+Checkpoints describe themselves (intqat.checkpoint): each records its quantized layers with their
+QuantConfig, so `MyModule.load_from_checkpoint(path)` rebuilds them on a plain LightningModule with
+no intqat code in it, and Trainer.fit / validate / test(ckpt_path=...) rebuild them while an IntQAT
+is in the Trainer (a load_state_dict pre-hook quantizes the layers the state_dict holds quantized,
+then on_load_checkpoint swaps those recorded as integer). Only ModelCheckpoint(save_weights_only=True),
+which skips callbacks' on_save_checkpoint, needs the module to write the record itself:
 
-    def on_load_checkpoint(self, checkpoint):  # Trainer(ckpt_path=...) and load_from_checkpoint
-        intqat.callback.restore_quant_structure(self, checkpoint)
-
-    def on_save_checkpoint(self, checkpoint):  # only needed with ModelCheckpoint(save_weights_only=True)
+    def on_save_checkpoint(self, checkpoint):
         intqat.callback.save_quant_structure(self, checkpoint)
 
-Without that hook, Trainer.fit / validate / test(ckpt_path=...) still work while an IntQAT is in
-the Trainer: a load_state_dict pre-hook quantizes the layers the checkpoint's state_dict holds as
-quantized, and on_load_checkpoint swaps those recorded as integer.
+Code outside Lightning calls `intqat.callback.restore_quant_structure(model, checkpoint)`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
 from typing import Any, Union
 
 from lightning.pytorch import LightningModule, Trainer
@@ -32,102 +28,27 @@ from torch import Tensor, nn
 from torch.nn.utils import prune
 from typing_extensions import override
 
-from intqat.config import QuantConfig, QuantSpec, resolve_config
+from intqat.checkpoint import (
+    CHECKPOINT_KEY,
+    _find,
+    _quantized_fqns,
+    restore_quant_structure,
+    save_quant_structure,
+)
+from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
 from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES, ActivationQuantizer
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
 
 __all__ = ["IntQAT", "NonFiniteError", "restore_quant_structure", "save_quant_structure", "CHECKPOINT_KEY"]
 
-CHECKPOINT_KEY = "intqat"
 STAGES = ("prepare", "freeze_bn", "freeze_observers", "integer")
 _QUANT = FAKE_QUANT_TYPES + INTEGER_TYPES
-_QUANT_KEY = ".input_quantizer.observer_enabled"  # in the state_dict of every quantized layer
 When = Union[int, None, Callable[[Trainer, LightningModule], bool]]
 
 
 class NonFiniteError(RuntimeError):
     """Training produced a non-finite loss or quantization scale; IntQAT stopped it."""
-
-
-# -- the module structure in checkpoints ----------------------------------------------------------
-
-
-def save_quant_structure(module: nn.Module, checkpoint: dict) -> None:
-    """Record in checkpoint["intqat"] which layers are fake-quant / integer, and their specs."""
-    from intqat import __version__
-
-    layers = {
-        fqn: {
-            "kind": "integer" if isinstance(m, INTEGER_TYPES) else "fake",
-            "weight": asdict(m.weight_quantizer.spec),
-            "activation": asdict(m.input_quantizer.spec),
-        }
-        for fqn, m in module.named_modules()
-        if isinstance(m, _QUANT)
-    }
-    checkpoint[CHECKPOINT_KEY] = {"format": 1, "intqat_version": __version__, "modules": layers}
-
-
-def restore_quant_structure(module: nn.Module, checkpoint: Mapping) -> None:
-    """Quantize the layers recorded in checkpoint["intqat"] so that its state_dict loads.
-
-    Call it from `LightningModule.on_load_checkpoint(self, checkpoint)`: Lightning runs that hook
-    before it loads the weights, in Trainer(ckpt_path=...) and in load_from_checkpoint alike.
-    Layers already quantized stay as they are: calling it twice changes nothing.
-    """
-    record = checkpoint.get(CHECKPOINT_KEY)
-    if record is None:
-        still_float = [f for f in _quantized_fqns(checkpoint.get("state_dict", {})) if not _is_quant(module, f)]
-        if still_float:
-            raise ValueError(
-                f"the checkpoint holds quantized layers {still_float} but no checkpoint['{CHECKPOINT_KEY}'] record "
-                "(saved with ModelCheckpoint(save_weights_only=True)?); have the LightningModule write it: "
-                "def on_save_checkpoint(self, checkpoint): intqat.callback.save_quant_structure(self, checkpoint)"
-            )
-        return
-    layers = record["modules"]
-    by_config: dict[QuantConfig, set[str]] = {}
-    for fqn, rec in layers.items():
-        if not _is_quant(module, fqn):
-            cfg = QuantConfig(weight=QuantSpec(**rec["weight"]), activation=QuantSpec(**rec["activation"]))
-            by_config.setdefault(cfg, set()).add(fqn)
-    for cfg, fqns in by_config.items():
-        prepare_qat(module, cfg, filter_fn=lambda m, n, fqns=fqns: n in fqns)
-    integer = {f for f, rec in layers.items() if rec["kind"] == "integer"}
-    if any(not isinstance(_find(module, f), INTEGER_TYPES) for f in integer):
-        to_integer(module, filter_fn=lambda m, n: n in integer)
-    for fqn, rec in layers.items():
-        m = _find(module, fqn)
-        if not isinstance(m, INTEGER_TYPES if rec["kind"] == "integer" else FAKE_QUANT_TYPES):
-            raise ValueError(
-                f"checkpoint layer {fqn!r} is a {rec['kind']} quantized layer but the model has "
-                f"{type(m).__name__ if m is not None else 'no such module'} there: build the model with the "
-                "architecture of the run that saved the checkpoint"
-            )
-        here = (asdict(m.weight_quantizer.spec), asdict(m.input_quantizer.spec))
-        if here != (rec["weight"], rec["activation"]):
-            raise ValueError(
-                f"layer {fqn!r} was quantized with weight={rec['weight']}, activation={rec['activation']} in the "
-                f"checkpoint but with weight={here[0]}, activation={here[1]} here: pass the checkpoint's config, "
-                "e.g. IntQAT(config=...) as in the run that saved it"
-            )
-
-
-def _quantized_fqns(state_dict: Mapping, prefix: str = "") -> list[str]:
-    keys = (k for k in state_dict if k.startswith(prefix) and k.endswith(_QUANT_KEY))
-    return sorted(k[len(prefix) : -len(_QUANT_KEY)] for k in keys)
-
-
-def _find(module: nn.Module, fqn: str) -> nn.Module | None:
-    try:
-        return module.get_submodule(fqn)
-    except AttributeError:
-        return None
-
-
-def _is_quant(module: nn.Module, fqn: str) -> bool:
-    return isinstance(_find(module, fqn), _QUANT)
 
 
 # -- torch.nn.utils.prune across swaps --------------------------------------------------------

@@ -26,6 +26,7 @@ from intqat.nn import (
     IntLinear,
 )
 from intqat.nn.conv import _QuantConvBase, conv_padding
+from intqat.nn.quantizers import name_quantizers
 
 __all__ = [
     "prepare_qat",
@@ -70,6 +71,7 @@ def prepare_qat(
     cfg = resolve_config(config)
     skipped: list[str] = []
     _prepare(model, "", cfg, filter_fn, skipped)
+    name_quantizers(model)  # their messages name the layer
     if skipped:
         warnings.warn("prepare_qat left these modules in float: " + "; ".join(skipped), stacklevel=2)
     return model
@@ -140,6 +142,7 @@ def to_integer(
             interop.attach_torch_ao_input_qparams(model, (first,))
         calibrate(model, batches)
     _swap_to_integer(model, "", filter_fn, skipped)
+    name_quantizers(model)  # (converters of other libraries' modules make new quantizers)
     if skipped:
         unique = list(dict.fromkeys(skipped))  # one line per module, even if both passes met it
         warnings.warn("to_integer left these modules as they were: " + "; ".join(unique), stacklevel=2)

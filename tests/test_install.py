@@ -1,5 +1,7 @@
-"""A plain (non-editable) `pip install .` gives a self-contained package with working console scripts."""
+"""A plain (non-editable) `pip install .` gives a self-contained package with working console scripts;
+its metadata names a torch range that pip keeps, and `make` installs the exact builds of constraints.txt."""
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +60,100 @@ def test_console_scripts_start(installed, tmp_path, script):
     out = _run(installed, args, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip()
+
+
+# -- the dependency spec: a torch range for users, the exact build for development -------------------
+
+
+def _requirements(installed):
+    from importlib.metadata import PathDistribution
+
+    (info,) = installed.glob("intqat-*.dist-info")
+    return PathDistribution(info).requires or []
+
+
+def test_metadata_names_a_torch_range_and_leaves_triton_to_torch(installed):
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in _requirements(installed)]
+    base = {r.name: r for r in reqs if r.marker is None}
+    torch_spec = base["torch"].specifier
+    assert not any(s.operator in ("==", "===") for s in torch_spec), torch_spec
+    for ok in ["2.13.0", "2.13.0+cpu", "2.13.1+cu128", "2.14.0", "2.20.0"]:
+        assert torch_spec.contains(ok), (ok, torch_spec)
+    for too_old_or_new in ["2.6.0", "2.12.1", "3.0.0"]:
+        assert not torch_spec.contains(too_old_or_new), (too_old_or_new, torch_spec)
+    # CUDA / ROCm torch builds pin the triton they were built with; intqat asks for it only as an extra
+    assert "triton" not in base
+    assert {str(r.marker) for r in reqs if r.name == "triton"} == {'extra == "triton"', 'extra == "dev"'}
+
+
+def _stub_wheel(directory: Path, name: str, version: str) -> None:
+    """An empty wheel that carries only a name and a version: what pip's resolver looks at."""
+    import zipfile
+
+    stem = f"{name.replace('-', '_')}-{version}"
+    info = f"{stem}.dist-info"
+    files = {
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: intqat-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(directory / f"{stem}-py3-none-any.whl", "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+        z.writestr(f"{info}/RECORD", "".join(f"{p},,\n" for p in [*files, f"{info}/RECORD"]))
+
+
+def test_pip_keeps_another_supported_torch(tmp_path, installed):
+    """`pip install intqat` into environments that hold another torch: a supported one stays, an
+    older one is upgraded. pip's real resolver, over stub wheels (offline, nothing downloaded)."""
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    pip = [sys.executable, "-m", "pip"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    stubs, wheels = tmp_path / "stubs", tmp_path / "wheels"
+    stubs.mkdir()
+    subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+                   check=True, cwd=tmp_path, env=env, timeout=300)
+    for r in map(Requirement, _requirements(installed)):
+        if r.marker is None and r.name != "torch":
+            _stub_wheel(stubs, r.name, version(r.name).split("+")[0])  # what this venv resolved
+    for v in ["2.5.1", "2.13.0", "2.14.0"]:
+        _stub_wheel(stubs, "torch", v)
+
+    def plan(installed_torch: str) -> dict[str, str]:
+        target = tmp_path / f"env-{installed_torch}"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(target)], check=True, timeout=120)
+        where = ["--python", str(target / "bin" / "python"), "install", "--find-links", str(stubs)]
+        subprocess.run([*pip, *where, "--quiet", f"torch=={installed_torch}"], check=True, env=env, timeout=300)
+        report = tmp_path / f"report-{installed_torch}.json"
+        subprocess.run([*pip, *where, "--find-links", str(wheels), "--dry-run", "--quiet", "--report", str(report),
+                        "intqat"], check=True, env=env, timeout=300)
+        items = json.loads(report.read_text())["install"]
+        return {i["metadata"]["name"]: i["metadata"]["version"] for i in items}
+
+    kept = plan("2.14.0")
+    assert "intqat" in kept and "torch" not in kept, kept  # 2.14.0 stays as it is
+    assert plan("2.5.1")["torch"] == "2.14.0"  # out of range: pip brings a supported one
+
+
+def test_make_installs_the_pinned_development_build(tmp_path):
+    """`make test` / `make run` install through constraints.txt, whose torch is the one running here."""
+    pins = dict(
+        line.split("#")[0].strip().split("==")
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if "==" in line.split("#")[0]
+    )
+    assert pins["torch"] == "2.13.0"
+    import torch
+
+    assert torch.__version__.split("+")[0] == pins["torch"]  # the tests run on the pinned build
+    venv = tmp_path / "venv"
+    out = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.intqat-installed"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    pip_lines = [line for line in out.splitlines() if "pip install" in line]
+    assert pip_lines and all("-c constraints.txt" in line for line in pip_lines), out
+    assert not any("torch==" in line for line in pip_lines), out  # the pin lives in constraints.txt only

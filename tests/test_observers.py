@@ -45,7 +45,7 @@ def test_fast_path_equals_tensor_path(name, monkeypatch):
 
     def spy(self, x):
         if self is slow:
-            return False
+            return None  # "take the tensor path"
         taken.append(original(self, x))
         return taken[-1]
 
@@ -82,11 +82,53 @@ def test_observers_follow_torch_ao(name):
             assert torch.equal(ours.zero_point.data, zero_point.reshape(1).float())
 
 
-def test_nonfinite_batches_take_the_tensor_path():
+BAD = [float("nan"), float("inf"), -float("inf")]
+
+
+@pytest.mark.parametrize("path", ["fast", "tensor"])
+@pytest.mark.parametrize("name", ["asym8 moving average", "asym8 minmax", "percentile"])
+def test_non_finite_batches_are_ignored_and_warned_once(name, path, monkeypatch):
+    spec = SPECS.get(name) or QuantSpec(bits=8, symmetric=False, observer="percentile", percentile=99.0)
+    if path == "tensor":
+        monkeypatch.setattr(ActivationQuantizer, "_observe_scalar", lambda self, x: None)
+    q, twin = ActivationQuantizer(spec), ActivationQuantizer(spec)  # twin never sees the bad batches
+    q.layer_name = "net.3"
+    good = list(_batches(seed=2))[:6]
+    with pytest.warns(UserWarning, match=r"observer of layer 'net.3' ignored a batch holding NaN / inf") as record:
+        for i, x in enumerate(good):
+            for value in BAD if i in (1, 4) else []:
+                bad = x.clone()
+                bad[3, 5] = value
+                q.observe(bad)
+                if name == "percentile" and value != value:
+                    continue  # NaN anywhere makes a percentile NaN: ignored
+                if name == "percentile":  # a lone inf falls outside the 99th percentile: a fine batch
+                    twin.observe(bad)
+            q.observe(x)
+            twin.observe(x)
+            for a, b in zip(_state(q), _state(twin)):
+                assert torch.equal(a, b), (i, a, b)
+    assert len([w for w in record if "NaN / inf" in str(w.message)]) == 1  # once per layer
+    assert all(torch.isfinite(t).all() for t in _state(q))
+
+
+def test_a_non_finite_first_batch_leaves_the_quantizer_uninitialised():
+    q = ActivationQuantizer(SPECS["asym8 minmax"])
+    with pytest.warns(UserWarning, match=r"a layer built outside prepare_qat \(unnamed\)"):
+        q.observe(torch.tensor([[float("nan"), 1.0]]))
+    assert not q.initialized and not q._initialized
+    with pytest.raises(RuntimeError, match="no scale yet"):
+        q.eval().fake_quant(torch.ones(2, 2))
+
+
+def test_traced_observers_keep_their_range_without_a_host_sync(monkeypatch):
+    """Compiled programs take the tensor path and cannot branch on values: torch.where keeps the
+    current range, a fixed point of every update rule."""
     q = ActivationQuantizer(SPECS["asym8 moving average"])
     q.observe(torch.randn(8, 4))
-    assert q._observe_scalar(torch.tensor([[float("nan"), 1.0]])) is False
     before = _state(q)
-    assert q._observe_scalar(torch.tensor([[float("inf"), 1.0]])) is False
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for value in BAD:
+        assert q._observe(torch.tensor([[value, 1.0]])) is None
     for a, b in zip(before, _state(q)):
-        assert torch.equal(a, b)  # a refused call changes nothing
+        assert torch.equal(a, b)

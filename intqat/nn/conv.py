@@ -163,10 +163,7 @@ class IntConv2d(_QuantConvBase):
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
         aq = self.input_quantizer
-        if aq.observing:
-            aq.observe(x)
-        if not aq.dynamic:
-            aq._check_ready()
+        aq.integer_input(x)  # observes (while observing), refuses NaN / inf in training, checks the scale
         w, b = self.folded()
         w_scale = self.weight_quantizer.channel_scale(w)
         if _wants_autograd(x, self.weight):

@@ -103,10 +103,7 @@ class IntLinear(_QuantLinearBase):
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
         aq = self.input_quantizer
-        if aq.observing:
-            aq.observe(x)
-        if not aq.dynamic:
-            aq._check_ready()
+        aq.integer_input(x)  # observes (while observing), refuses NaN / inf in training, checks the scale
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
