@@ -168,6 +168,9 @@ def _force_from_env() -> None:
         return
     if choice not in _BY_NAME:
         raise ValueError(f"INTQAT_BACKEND={choice!r}: choose 'auto' or one of {names()}")
+    reason = _BY_NAME[choice].unavailable()
+    if reason is not None:
+        raise RuntimeError(f"INTQAT_BACKEND={choice!r}: that backend cannot run here: {reason}")
     _forced.append(choice)
 
 
