@@ -28,7 +28,7 @@ from intqat.bench import peers
 from intqat.bench.memory import peak_transient_bytes, state_bytes
 from intqat.bench.saved import saved_bytes
 from intqat.bench.table import NA, Table, fmt_bytes, fmt_num, fmt_ratio
-from intqat.bench.timing import machine_info, machine_lines, speed_ratio, time_interleaved
+from intqat.bench.timing import backends_used, machine_info, machine_lines, speed_ratio, time_interleaved
 from intqat.training.optimizers import build_optimizer
 
 __all__ = ["ModulesSettings", "run_modules", "make_mlp", "make_cnn", "FLAVOURS"]
@@ -237,6 +237,8 @@ def _bench_model(make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor
         saved, loss = saved_bytes(lambda r=r: F.cross_entropy(r.model(r.x), r.y), exclude=params)
         del loss
         r.results.update(state=st, transient=peak, peak=None if peak is None else st + peak, saved=saved)
+        if r.name.startswith("intqat"):
+            r.results["backends"] = backends_used(r.step)  # which implementation ran each primitive
         if r.deploy is not None:
             r.results["mismatch"] = _mismatch(r)
     return runs, missing, timings
@@ -265,6 +267,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         return na_marks[reason]
 
     summary: list[str] = []
+    backends_ran: list[str] = []
     for title, make, x in models:
         y = torch.randint(0, s.classes, (x.shape[0],), generator=g)
         runs, missing, timings = _bench_model(make, x, y, s)
@@ -301,8 +304,11 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
             parts = [f"{peer} {speed_ratio(timings[peer], timings[INTQAT_INT]):.2f}x"
                      for peer in (FP32, TORCHAO_MP, TORCHAO_QAT, TORCH_AO, INTQAT_FQ) if peer in timings]
             summary.append(f"{title.split(',')[0]}: speed of intqat integer relative to " + ", ".join(parts))
+            backends_ran.append(f"{title.split(',')[0]}: {by[INTQAT_INT].results['backends']}")
     t.footnotes = [
         "speed: median over repeats of t_fp32 / t_candidate (> 1 = faster). " + " | ".join(summary),
+        "backends that ran intqat integer's primitives (intqat.ops.backends; GEMMs by name, passes = the "
+        "elementwise passes): " + " | ".join(backends_ran),
         "peak = parameters + buffers + Adam state alive at step start (grads set to None) + the step's peak net "
         "allocation by torch's CPU allocator (torch.profiler profile_memory allocation events: exact and "
         "deterministic, unlike RSS, which measures glibc's heap caching and fragmentation; memory that "
