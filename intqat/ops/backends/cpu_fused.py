@@ -25,10 +25,7 @@ _GEMMS = frozenset({"int_mm", "linear", "digit_matmul"})
 class CpuFused(Backend):
     name = "cpu_fused"
     needs = "a C compiler (kernels built on first use); integer GEMMs: int8 dot-product units (torch._int_mm)"
-    primitives = frozenset({
-        "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask",
-    })
+    primitives = Reference.primitives  # every one: the GEMMs through torch._int_mm, the passes in C
 
     def unavailable(self):
         if not cpu_kernels.available():
