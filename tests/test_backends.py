@@ -33,13 +33,17 @@ def _reference(fn, *args):
         return fn(*args)
 
 
-@pytest.mark.parametrize("name", ["cpu_fused", "avx2_int16", "fp32_exact", "triton"])
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (7, 33, 5), (64, EXACT_K, 48), (17, EXACT_K + 1, 9),
-                                   (5, 3 * EXACT_K + 7, 6)])
+MM_SHAPES = [(1, 1, 1), (7, 33, 5), (64, EXACT_K, 48), (17, EXACT_K + 1, 9), (5, 3 * EXACT_K + 7, 6)]
+SMALL = 2**16  # the Triton interpreter is slow: it gets the small shapes only
+
+
+def _cases(names, shapes):
+    return [(n, *shape) for n in names for shape in shapes if n != "triton" or shape[0] * shape[1] * shape[2] <= SMALL]
+
+
+@pytest.mark.parametrize("name,M,K,N", _cases(["cpu_fused", "avx2_int16", "fp32_exact", "triton"], MM_SHAPES))
 def test_int_mm_equals_the_reference(name, M, K, N):
     _runs_here(name)
-    if name == "triton" and M * K * N > 2**16:
-        pytest.skip("the Triton interpreter is slow: small shapes only")
     a, b = _codes(M, K, seed=1), _codes(N, K, seed=2).t()  # b a transposed view: any strides
     with backends.use_backend(name), backends.recording() as ran:
         got = int_mm(a, b)
@@ -104,13 +108,14 @@ def _linear(q_x, q_w, z_x, colsum, s_x, s_w, bias):
     return backends.select("linear", q_x, q_w, shape=shape).linear(q_x, q_w, z_x, colsum, s_x, s_w, bias)
 
 
-@pytest.mark.parametrize("name", CPU_BACKENDS)
-@pytest.mark.parametrize("M,K,N,per_row,bias", [(1, 16, 8, False, True), (33, 200, 70, True, False),
-                                                 (256, 1024, 1024, False, True), (64, 3000, 96, False, True)])
+LINEAR_CASES = [(1, 16, 8, False, True), (33, 200, 70, True, False), (256, 1024, 1024, False, True),
+                (64, 3000, 96, False, True)]
+
+
+@pytest.mark.parametrize("name,M,K,N,per_row,bias",
+                         [(n, *c) for n in CPU_BACKENDS for c in LINEAR_CASES if n != "triton" or c[0] * c[1] * c[2] <= 4 * SMALL])
 def test_linear_forward_equals_the_reference(name, M, K, N, per_row, bias):
     _runs_here(name)
-    if name == "triton" and M * K * N > 2**17:
-        pytest.skip("the Triton interpreter is slow: small shapes only")
     args = _linear_problem(M, K, N, per_row=per_row, bias=bias)
     with backends.use_backend(name), backends.recording() as ran:
         got = _linear(*args)
