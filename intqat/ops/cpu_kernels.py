@@ -55,6 +55,7 @@ __all__ = [
     "scratch",
     "int16_gemm_available",
     "int16_gemm",
+    "int16_linear",
 ]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -88,6 +89,8 @@ _SIGNATURES = {
     "intqat_amx_linear": [_P, _P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
     # (int16_gemm.c) a, M, K, a_rs, a_cs, b, N, b_rs, b_cs, a pack, b pack, c
     "intqat_int16_gemm": [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P],
+    # q_x, M, K, q_w, N, z_x, colsum, s_x, sx_stride, s_w, bias, a pack, b pack, y
+    "intqat_int16_linear": [_P, _I, _I, _P, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -497,3 +500,25 @@ def int16_gemm(a: Tensor, b: Tensor) -> Tensor:
         _lib.intqat_int16_gemm(a.data_ptr(), M, K, a.stride(0), a.stride(1), b.data_ptr(), N, b.stride(0), b.stride(1),
                                ap.data_ptr(), bp.data_ptr(), c.data_ptr())
     return c
+
+
+def int16_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x: Tensor, w_scale: Tensor,
+                 bias: Tensor | None) -> Tensor:
+    """`epilogue(int16_gemm(q_x, q_wᵀ), ...)` in one pass: the same bits, no int32 accumulator in memory.
+    q_x (M, K), q_w (N, K) row-major int8, K <= MAX_K_INT32; s_x (M,) or one value; colsum (N,) int32 or
+    None (no zero-point correction). Call only if `int16_gemm_available()`."""
+    M, K = q_x.shape
+    N = q_w.shape[0]
+    kp = K + (K & 1)
+    ap = scratch("int16_a", (_round_up(M, 6) * kp,), torch.int16)
+    bp = scratch("int16_b", (_round_up(N, 16) * kp,), torch.int16)
+    s_x = _fp32_contiguous(s_x)
+    s_w = _fp32_contiguous(w_scale)
+    b = None if bias is None else _fp32_contiguous(bias)
+    cs = None if colsum is None else colsum.to(torch.int32).contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    if M and N:
+        _lib.intqat_int16_linear(q_x.data_ptr(), M, K, q_w.data_ptr(), N, int(z_x), _ptr(cs), s_x.data_ptr(),
+                                 1 if s_x.numel() > 1 else 0, s_w.data_ptr(), _ptr(b), ap.data_ptr(), bp.data_ptr(),
+                                 y.data_ptr())
+    return y

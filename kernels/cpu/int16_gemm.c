@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "epilogue.h" /* epilogue_row */
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 
@@ -86,9 +88,22 @@ static void pack_b_panel(const int8_t *b, int64_t K, int64_t N, int64_t rs, int6
         }
 }
 
-/* c[r][j] (+)= sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr */
-static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, int32_t *c, int64_t ldc,
-                               int mr, int nr) {
+/* What the micro-kernel does with its 6 x 16 block of exact sums: store them (c, int32), or put them
+ * through the integer epilogue (epilogue.h, the same row function as the fused epilogue) into y. */
+typedef struct {
+    int32_t *c;          /* int32 output (M, N), or NULL: epilogue */
+    float *y;            /* fp32 output (M, N) */
+    int32_t z_x;
+    const int32_t *colsum; /* (N,) or NULL */
+    const float *s_x;    /* s_x[m * sx_stride] */
+    int64_t sx_stride;
+    const float *s_w;    /* (N,) */
+    const float *bias;   /* (N,) or NULL */
+} int16_out;
+
+/* c[r][j] = sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr, for the block at (m0, n0) */
+static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
+                               int64_t N, int64_t m0, int64_t n0, int mr, int nr) {
     __m256i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const int32_t *a32 = (const int32_t *)ap;
@@ -103,10 +118,11 @@ static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2
         }
         a32 += MR;
     }
-    if (mr == MR && nr == NR) {
+    if (out->c && mr == MR && nr == NR) {
+        int32_t *c = out->c + m0 * N + n0;
         for (int r = 0; r < MR; ++r) {
-            _mm256_storeu_si256((__m256i *)(c + r * ldc), acc[r][0]);
-            _mm256_storeu_si256((__m256i *)(c + r * ldc + 8), acc[r][1]);
+            _mm256_storeu_si256((__m256i *)(c + r * N), acc[r][0]);
+            _mm256_storeu_si256((__m256i *)(c + r * N + 8), acc[r][1]);
         }
         return;
     }
@@ -115,14 +131,18 @@ static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2
         _mm256_storeu_si256((__m256i *)tile[r], acc[r][0]);
         _mm256_storeu_si256((__m256i *)(tile[r] + 8), acc[r][1]);
     }
-    for (int r = 0; r < mr; ++r) memcpy(c + r * ldc, tile[r], (size_t)nr * sizeof(int32_t));
+    for (int r = 0; r < mr; ++r) {
+        if (out->c) {
+            memcpy(out->c + (m0 + r) * N + n0, tile[r], (size_t)nr * sizeof(int32_t));
+        } else {
+            epilogue_row(tile[r], nr, out->z_x, out->colsum ? out->colsum + n0 : NULL, out->s_x[(m0 + r) * out->sx_stride],
+                         out->s_w + n0, out->bias ? out->bias + n0 : NULL, out->y + (m0 + r) * N + n0);
+        }
+    }
 }
 
-/* a (M, K): element (m, k) at a[m * a_rs + k * a_cs]; b (K, N): (k, n) at b[k * b_rs + n * b_cs];
- * c (M, N) int32 row-major. ap: scratch of (M rounded up to 6) * (K rounded up to 2) int16;
- * bp: scratch of (N rounded up to 16) * (K rounded up to 2) int16. */
-void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
-                       int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c) {
+static void int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
+                       int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, const int16_out *out) {
     const int64_t kp2 = (K + 1) / 2, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
     pack_a(a, M, K, a_rs, a_cs, kp2, ap);
 #pragma omp parallel for schedule(static)
@@ -132,12 +152,38 @@ void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int6
         const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
         for (int64_t p = 0; p < panels_m; ++p) {
             const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
-            kernel_6x16(ap + p * kp2 * MR * 2, bq, kp2, c + p * MR * N + q * NR, N, mr, nr);
+            kernel_6x16(ap + p * kp2 * MR * 2, bq, kp2, out, N, p * MR, q * NR, mr, nr);
         }
     }
 }
+
+/* a (M, K): element (m, k) at a[m * a_rs + k * a_cs]; b (K, N): (k, n) at b[k * b_rs + n * b_cs];
+ * c (M, N) int32 row-major. ap: scratch of (M rounded up to 6) * (K rounded up to 2) int16;
+ * bp: scratch of (N rounded up to 16) * (K rounded up to 2) int16. */
+void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
+                       int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c) {
+    const int16_out out = {c, NULL, 0, NULL, NULL, 0, NULL, NULL};
+    int16_gemm(a, M, K, a_rs, a_cs, b, N, b_rs, b_cs, ap, bp, &out);
+}
+
+/* The integer linear forward in one pass: y = epilogue(q_x @ q_wᵀ) with q_x (M, K) and q_w (N, K)
+ * row-major int8; each 6x16 block of exact sums goes through epilogue_row before it leaves registers
+ * and L1, as amx_linear.c does: no int32 accumulator in memory, the same bits. */
+void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
+                         const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
+                         const float *bias, int16_t *ap, int16_t *bp, float *y) {
+    const int16_out out = {NULL, y, z_x, colsum, s_x, sx_stride, s_w, bias};
+    int16_gemm(q_x, M, K, K, 1, q_w, N, 1, K, ap, bp, &out);
+}
 #else
 int intqat_int16_gemm_available(void) { return 0; }
+void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
+                         const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
+                         const float *bias, int16_t *ap, int16_t *bp, float *y) {
+    (void)q_x; (void)M; (void)K; (void)q_w; (void)N; (void)z_x; (void)colsum; (void)s_x; (void)sx_stride;
+    (void)s_w; (void)bias; (void)ap; (void)bp; (void)y;
+    abort(); /* never called: intqat_int16_gemm_available() says 0 */
+}
 void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
                        int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c) {
     (void)a; (void)M; (void)K; (void)a_rs; (void)a_cs; (void)b; (void)N; (void)b_rs; (void)b_cs;

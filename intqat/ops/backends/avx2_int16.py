@@ -2,7 +2,8 @@
 on x86 CPUs without int8 dot-product instructions (AVX2-only: AMD Zen 2 / Zen 3, Intel before
 Cascade Lake / Ice Lake).
 
-vpmaddwd does 16 int16 multiply-adds per instruction against an fp32 FMA's 8, exactly (int8 codes
+The linear forward runs GEMM and epilogue in one pass (each 6x16 block of sums goes through the fused
+epilogue's row function before it leaves L1). vpmaddwd does 16 int16 multiply-adds per instruction against an fp32 FMA's 8, exactly (int8 codes
 widened to int16; |a b| <= 2^14 and a pair sum <= 2^15 never saturate), with int32 accumulators:
 the same sums as torch._int_mm, bit for bit. Codes are widened and packed per call (the weights
 change every step). The elementwise passes stay cpu_fused's; fp32_exact is the fallback where the
@@ -44,4 +45,10 @@ class Avx2Int16(Backend):
         return cpu_kernels.int16_gemm(a, b)
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
-        return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
+        """The GEMM and the epilogue in one pass (intqat_int16_linear), as the AMX forward does."""
+        K = q_x.shape[1]
+        if not (0 < K <= MAX_K_INT32 and q_x.is_contiguous() and q_w.is_contiguous()
+                and s_x.numel() in (1, q_x.shape[0])):
+            return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.int16_linear(q_x, q_w, z, None if z_x is None else colsum, s_x, s_w, bias)
