@@ -62,7 +62,7 @@ def test_fp32_exact_is_exact_at_the_worst_case_of_each_slice():
         assert torch.equal(got, torch.full((3, 2), 2**14 * K, dtype=torch.int32)), K
 
 
-@pytest.mark.parametrize("name", ["reference", "cpu_fused", "avx2_int16", "fp32_exact"])
+@pytest.mark.parametrize("name", ["reference", "cpu_fused", "avx2_int16", "fp32_exact", "triton"])
 def test_the_int32_edge_is_exact_or_a_clear_error(name):
     """K * 2^14 <= 2^31 - 1 is int32's bound: K = 131071 all -128 fits exactly; at 131072 the exact sum
     2^31 is one past int32's maximum, and 131073 beyond it: int_mm raises, never wraps."""

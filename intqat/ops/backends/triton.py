@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from intqat.ops.backends.base import Backend
+from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
 
 __all__ = ["Triton"]
 
@@ -44,10 +45,15 @@ class Triton(Backend):
         return kernels
 
     def int_mm(self, a, b):
+        if a.shape[1] > MAX_K_INT32:  # the kernel's int32 sum could overflow (sm_80's IMMA saturates)
+            return split_k(a, b, MAX_K_INT32, self._kernels().int_mm)
         return self._kernels().int_mm(a, b)
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         from intqat.ops.int_linear import weight_colsum
+
+        if q_x.shape[1] > MAX_K_INT32:
+            return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
 
         if z_x is None:  # symmetric activations; the kernel takes a zero point and colsum regardless
             z_x = torch.zeros(1, dtype=torch.int32, device=q_x.device)
