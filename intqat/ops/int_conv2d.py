@@ -70,20 +70,13 @@ def conv_codes_forward(
 ) -> Tensor:
     """Integer conv from codes: q_x (B, C, H, W) int8, q_w (O, C/g, kh, kw) int8 -> y (B, O, Ho, Wo) fp32.
     pad_value: z_x as a Python int when known (faster padding); None reads it from the tensor z_x."""
+    if groups > 1:
+        return _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups)
     B = q_x.shape[0]
     O, _, kh, kw = q_w.shape
     cols, Ho, Wo = _im2col(q_x, z_x if pad_value is None else pad_value, (kh, kw), stride, padding, dilation, groups)
-    qw2 = _weight_columns(q_w)
-    kg, og = qw2.shape[1], O // groups
-    outs = []
-    for g in range(groups):
-        acc = int_mm(cols[:, g * kg : (g + 1) * kg], qw2[g * og : (g + 1) * og].t())  # (B*L, O/g) int32
-        sl = slice(g * og, (g + 1) * og)
-        outs.append(
-            integer_epilogue(acc, z_x, w_colsum[sl] if w_colsum.numel() > 1 else w_colsum, s_x, w_scale[sl],
-                             None if bias is None else bias[sl])
-        )
-    y = outs[0] if groups == 1 else torch.cat(outs, dim=1)
+    acc = int_mm(cols, _weight_columns(q_w).t())  # (B*Ho*Wo, O) int32
+    y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, bias)
     # The (B*Ho*Wo, O) rows are NHWC pixels. Like nn.Conv2d, the output takes the input's memory
     # format: for channels_last input that is these rows as they are (no copy, and the next integer
     # conv reads its codes in place); for NCHW input, a transposing copy (code that calls .view() on
@@ -117,7 +110,8 @@ def _grouped_acc(xz: Tensor, w: Tensor, stride, padding, dilation, groups: int) 
         part = F.conv2d(xz.index_select(1, chans), w[:, c0:c1], None, stride, padding, dilation, groups)
         part = part.to(torch.int32)
         acc = part if acc is None else acc + part
-    return acc.to(torch.float32)
+    fmt = torch.channels_last if is_channels_last(xz) else torch.contiguous_format  # as nn.Conv2d would return
+    return acc.to(torch.float32).contiguous(memory_format=fmt)
 
 
 def _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups) -> Tensor:
