@@ -1,0 +1,244 @@
+"""The whole flow on the model families users bring (tests/real_models.py): prepare_qat -> fake-quant steps
+-> freeze -> to_integer -> integer steps -> export -> load without intqat.
+
+For each model: the conversion census (what became integer, what stayed float and why), training goes
+on (finite, falling loss on a fixed batch), in eval the integer model equals the exported reference
+program (torch.equal), and the programs load and run in a Python that never imports intqat.
+"""
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import intqat
+from intqat.convert import float_census
+from intqat.export import write_program
+from intqat.nn import IntConv2d, IntLinear, IntMultiheadAttention
+from real_models import TinyMobileNetV2, TinyResNet, TinyViT, tiny_bert, tiny_gpt2
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+
+def _steps(model, x, loss_fn, n, lr=3e-3):
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    model.train()
+    for _ in range(n):
+        loss = loss_fn(model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _flow(model, x, loss_fn):
+    """-> (warnings of prepare_qat and to_integer, integer-stage losses). Fake quant 3 steps, integer 6."""
+    with warnings.catch_warnings(record=True) as w_prep:
+        warnings.simplefilter("always")
+        intqat.prepare_qat(model, "w8a8")
+    _steps(model, x, loss_fn, 3)
+    intqat.freeze_observers(model)
+    intqat.freeze_bn_stats(model)
+    with warnings.catch_warnings(record=True) as w_int:
+        warnings.simplefilter("always")
+        intqat.to_integer(model)
+    losses = _steps(model, x, loss_fn, 6, lr=1e-3)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    messages = [str(w.message) for w in w_prep + w_int if "left these modules" in str(w.message)]
+    return messages, losses
+
+
+def _census(model):
+    kinds = {}
+    for m in model.modules():
+        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return kinds
+
+
+def _export_equal(model, x):
+    """Eval: the integer model == the exported reference program, bit for bit. -> (result, seconds)."""
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    t0 = time.perf_counter()
+    result = intqat.export_mixed_precision(model, (x,))
+    seconds = time.perf_counter() - t0
+    assert torch.equal(result.reference.module()(x), expected)
+    assert result.validation["reference_equals_integer_model"] is True
+    ops = {str(n.target) for n in result.reference.graph.nodes if n.op == "call_function"}
+    assert "aten._int_mm.default" in ops and not any(o.startswith("intqat") for o in ops)
+    return result, expected, seconds
+
+
+def _classify(y):
+    return lambda logits: F.cross_entropy(logits, y)
+
+
+# -- CNNs ------------------------------------------------------------------------------------------------
+
+
+def test_resnet_blocks_fold_every_batchnorm_from_the_data_flow():
+    torch.manual_seed(0)
+    model, x, y = TinyResNet(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    messages, _ = _flow(model, x, _classify(y))
+    assert messages == []  # nothing stays float
+    kinds = _census(model)
+    assert kinds["IntConv2d"] == 10 and kinds["IntLinear"] == 1 and n_bn == 10  # stem, 4 blocks x 2, a downsample
+    assert all(isinstance(m, IntConv2d) and m.bn is not None for m in model.modules() if isinstance(m, IntConv2d))
+    assert isinstance(model.layer1[0].bn1, nn.Identity)  # an attribute, not a Sequential neighbour: folded
+    assert float_census(model) == {}
+    _export_equal(model, x)
+
+
+def test_mobilenet_v2_inplace_relu6_depthwise_and_export():
+    torch.manual_seed(0)
+    model, x, y = TinyMobileNetV2(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    messages, _ = _flow(model, x, _classify(y))  # ReLU6(inplace=True) after 1x1 maps, in training
+    assert messages == []
+    depthwise = [m for m in model.modules() if isinstance(m, IntConv2d) and m.groups > 1]
+    assert len(depthwise) == 6 and all(m.groups == m.in_channels and m.bn is not None for m in depthwise)
+    assert float_census(model) == {}
+    # channels_last trains too (every integer conv output there is a permuted GEMM result)
+    _steps(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last), _classify(y), 1)
+    model.to(memory_format=torch.contiguous_format)
+    _export_equal(model, x)  # its time is measured by intqat-bench export, not asserted here
+
+
+def test_untraceable_module_names_its_unfolded_batchnorm():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent: torch.fx cannot trace it
+                x = -x
+            return self.bn(self.conv(x))
+
+    model = nn.Sequential(Branchy())
+    with pytest.warns(UserWarning, match=r"0\.bn \(BatchNorm2d not folded: torch.fx could not trace 0") as rec:
+        intqat.prepare_qat(model, "w8a8")
+    assert len([r for r in rec if "left these modules" in str(r.message)]) == 1
+    assert type(model[0].bn) is nn.BatchNorm2d and model[0].conv.bn is None
+
+
+def test_float_census_names_every_kind_with_its_reason():
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Flatten(), nn.Linear(8, 4),
+                          nn.BatchNorm1d(4), nn.Conv2d(1, 1, 3, padding=1, padding_mode="circular"))
+    with pytest.warns(UserWarning) as rec:
+        intqat.prepare_qat(model, "w8a8", filter_fn=lambda m, fqn: fqn != "3")
+    (msg,) = [str(r.message) for r in rec if "left these modules" in str(r.message)]
+    assert "0 (Conv1d: intqat has integer modules for Conv2d only)" in msg
+    assert "1 (BatchNorm1d: only a BatchNorm2d after a Conv2d folds)" in msg
+    assert "3 (filter_fn returned False)" in msg and "4 (BatchNorm1d" in msg and "5 (padding" in msg
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+
+
+def test_vit_block_mha_and_patch_conv_become_integer():
+    torch.manual_seed(0)
+    model, x, y = TinyViT(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    messages, _ = _flow(model, x, _classify(y))
+    assert messages == []
+    kinds = _census(model)
+    assert kinds["IntMultiheadAttention"] == 2 and kinds["IntConv2d"] == 1
+    assert kinds["IntLinear"] == 2 * 3 + 1  # per block: out_proj, mlp.0, mlp.2; and the head
+    assert float_census(model) == {}
+    _export_equal(model, x)
+
+
+def _lm_loss(ids):
+    return lambda logits: F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters():
+    pytest.importorskip("transformers")  # in the test extra; a plain `pip install intqat` may lack it
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model, ids = tiny_gpt2(), torch.randint(0, 64, (4, 16))
+    conv1d = {n: m for n, m in model.named_modules() if isinstance(m, Conv1D)}
+    assert len(conv1d) == 8  # c_attn, c_proj (attention), c_fc, c_proj (MLP) in 2 layers
+    params = dict(model.named_parameters())
+    keys = set(model.state_dict())
+    messages, _ = _flow(model, ids, _lm_loss(ids))
+    assert messages == []
+    mods = dict(model.named_modules())
+    assert all(type(mods[n]) is IntLinear and mods[n].transposed for n in conv1d)
+    assert type(model.model.lm_head) is IntLinear
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight  # the tie survives
+    assert all(dict(model.named_parameters())[n] is p for n, p in params.items())
+    assert keys <= set(model.state_dict())
+    _export_equal(model, ids)
+
+
+def test_bert_encoder_becomes_integer_and_exports():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, ids, y = tiny_bert(), torch.randint(0, 64, (4, 16)), torch.randint(0, 4, (4,))
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    messages, _ = _flow(model, ids, _classify(y))
+    assert messages == []
+    assert _census(model)["IntLinear"] == n_linear == 2 * 6 + 2  # q, k, v, o, up, down per layer; pooler; classifier
+    _export_equal(model, ids)
+
+
+# -- the programs outside intqat --------------------------------------------------------------------------
+
+_NO_INTQAT = r"""
+import importlib.abc, sys
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "intqat" or name.startswith("intqat."):
+            raise ImportError("this process must not import intqat")
+
+sys.meta_path.insert(0, _Block())
+import torch
+
+for pt2, inputs, out in zip(*[iter(sys.argv[1:])] * 3):
+    ep = torch.export.load(pt2)
+    assert torch.ops.aten._int_mm.default in [n.target for n in ep.graph.nodes]
+    torch.save(ep.module()(torch.load(inputs)), out)
+assert "intqat" not in sys.modules
+"""
+
+
+def test_programs_load_and_run_without_intqat(tmp_path):
+    """MobileNet-V2 (depthwise convs) and a transformer encoder (integer MHA): the reference program
+    returns the integer model's output exactly in a process without intqat; the mixed one runs."""
+    torch.manual_seed(0)
+    cases = {"mobilenet": (TinyMobileNetV2(), torch.randn(4, 3, 16, 16)),
+             "encoder": (nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
+                                               2), torch.randn(4, 8, 32))}
+    jobs, expected = [], {}
+    for name, (model, x) in cases.items():
+        intqat.prepare_qat(model, "w8a8")
+        _steps(model, x, lambda out: out.pow(2).mean(), 2)
+        intqat.to_integer(model)
+        result, expected[name], _ = _export_equal(model, x)
+        write_program(result.reference, tmp_path / f"{name}_ref.pt2")
+        result.save(tmp_path / name)
+        torch.save(x, tmp_path / f"{name}_x.pt")
+        jobs += [(tmp_path / f"{name}_ref.pt2", tmp_path / f"{name}_x.pt", tmp_path / f"{name}_ref_y.pt"),
+                 (tmp_path / name / "model.pt2", tmp_path / f"{name}_x.pt", tmp_path / f"{name}_mixed_y.pt")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [str(a) for job in jobs for a in job]
+    proc = subprocess.run([sys.executable, "-c", _NO_INTQAT, *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for name in cases:
+        assert torch.equal(torch.load(tmp_path / f"{name}_ref_y.pt"), expected[name])
+        mixed = torch.load(tmp_path / f"{name}_mixed_y.pt")
+        assert mixed.shape == expected[name].shape and torch.isfinite(mixed).all()
