@@ -100,7 +100,7 @@ def test_resnet_blocks_fold_every_batchnorm_from_the_data_flow():
     _export_equal(model, x)
 
 
-def test_mobilenet_v2_inplace_relu6_depthwise_and_export():
+def test_mobilenet_v2_inplace_relu6_depthwise_and_export(tmp_path):
     torch.manual_seed(0)
     model, x, y = TinyMobileNetV2(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
     messages, _ = _flow(model, x, _classify(y))  # ReLU6(inplace=True) after 1x1 maps, in training
@@ -111,7 +111,8 @@ def test_mobilenet_v2_inplace_relu6_depthwise_and_export():
     # channels_last trains too (every integer conv output there is a permuted GEMM result)
     _steps(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last), _classify(y), 1)
     model.to(memory_format=torch.contiguous_format)
-    _export_equal(model, x)  # its time is measured by intqat-bench export, not asserted here
+    result, expected, _ = _export_equal(model, x)  # its time is measured by intqat-bench, not asserted here
+    _check_without_intqat(tmp_path, result, x, expected)
 
 
 def test_untraceable_module_names_its_unfolded_batchnorm():
@@ -215,30 +216,32 @@ assert "intqat" not in sys.modules
 """
 
 
-def test_programs_load_and_run_without_intqat(tmp_path):
-    """MobileNet-V2 (depthwise convs) and a transformer encoder (integer MHA): the reference program
-    returns the integer model's output exactly in a process without intqat; the mixed one runs."""
-    torch.manual_seed(0)
-    cases = {"mobilenet": (TinyMobileNetV2(), torch.randn(4, 3, 16, 16)),
-             "encoder": (nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True),
-                                               2), torch.randn(4, 8, 32))}
-    jobs, expected = [], {}
-    for name, (model, x) in cases.items():
-        intqat.prepare_qat(model, "w8a8")
-        _steps(model, x, lambda out: out.pow(2).mean(), 2)
-        intqat.to_integer(model)
-        result, expected[name], _ = _export_equal(model, x)
-        write_program(result.reference, tmp_path / f"{name}_ref.pt2")
-        result.save(tmp_path / name)
-        torch.save(x, tmp_path / f"{name}_x.pt")
-        jobs += [(tmp_path / f"{name}_ref.pt2", tmp_path / f"{name}_x.pt", tmp_path / f"{name}_ref_y.pt"),
-                 (tmp_path / name / "model.pt2", tmp_path / f"{name}_x.pt", tmp_path / f"{name}_mixed_y.pt")]
+def _check_without_intqat(tmp_path, result, x, expected):
+    """The reference program returns the integer model's output exactly in a process without intqat;
+    the mixed-precision model.pt2 runs there too."""
+    write_program(result.reference, tmp_path / "ref.pt2")
+    result.save(tmp_path / "export")
+    torch.save(x, tmp_path / "x.pt")
+    jobs = [(tmp_path / "ref.pt2", tmp_path / "x.pt", tmp_path / "ref_y.pt"),
+            (tmp_path / "export" / "model.pt2", tmp_path / "x.pt", tmp_path / "mixed_y.pt")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     argv = [str(a) for job in jobs for a in job]
     proc = subprocess.run([sys.executable, "-c", _NO_INTQAT, *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    for name in cases:
-        assert torch.equal(torch.load(tmp_path / f"{name}_ref_y.pt"), expected[name])
-        mixed = torch.load(tmp_path / f"{name}_mixed_y.pt")
-        assert mixed.shape == expected[name].shape and torch.isfinite(mixed).all()
+    assert torch.equal(torch.load(tmp_path / "ref_y.pt"), expected)
+    mixed = torch.load(tmp_path / "mixed_y.pt")
+    assert mixed.shape == expected.shape and torch.isfinite(mixed).all()
+
+
+def test_encoder_program_loads_and_runs_without_intqat(tmp_path):
+    """nn.TransformerEncoder with integer attention: exported, loaded and run without intqat (the
+    MobileNet-V2 program: test_mobilenet_v2_inplace_relu6_depthwise_and_export)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model, x = nn.TransformerEncoder(layer, 2), torch.randn(4, 8, 32)
+    intqat.prepare_qat(model, "w8a8")
+    _steps(model, x, lambda out: out.pow(2).mean(), 2)
+    intqat.to_integer(model)
+    result, expected, _ = _export_equal(model, x)
+    _check_without_intqat(tmp_path, result, x, expected)
