@@ -7,7 +7,10 @@ DW-sep    a MobileNet-style depthwise-separable stack on 3x32x32, batch 32: conv
           of depthwise 3x3 (groups = channels) -> BN -> ReLU6 -> pointwise 1x1 -> BN -> ReLU6 (32->64, 64->128,
           the second with stride 2), average pool, linear head. intqat: every conv integer, BN folded.
 
-Each is timed by every flavour of intqat.bench.modules.FLAVOURS (fp32, intqat fake quant, intqat integer,
+`python -m intqat.bench.blocks` times intqat.export_mixed_precision of a full-size MobileNet-V2 (torchvision's
+architecture, written out here: 52 convs, 17 of them depthwise) after prepare_qat / calibrate / to_integer.
+
+Each block is timed by every flavour of intqat.bench.modules.FLAVOURS (fp32, intqat fake quant, intqat integer,
 torchao QAT, ...): a peer that cannot train a block is reported as such in the table.
 """
 
@@ -18,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["block_models", "EncoderClassifier", "make_encoder", "make_dw_separable"]
+__all__ = ["block_models", "EncoderClassifier", "make_encoder", "make_dw_separable", "make_mobilenet_v2",
+           "export_seconds"]
 
 
 class EncoderClassifier(nn.Module):
@@ -64,3 +68,60 @@ def block_models(s: Any, g: torch.Generator, quick: bool = False) -> list[tuple[
         (f"Depthwise-separable 3x{hw}x{hw}, dw3x3+pw1x1 x 2 ({width}->{2 * width}->{4 * width} ch), batch {cnn_batch}",
          lambda: make_dw_separable(width, s.classes), dw_x),
     ]
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int, expand: int):
+        super().__init__()
+        hidden = c_in * expand
+        self.use_res = stride == 1 and c_in == c_out
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(c_in, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.ReLU6(inplace=True)]
+        layers += [nn.Conv2d(hidden, hidden, 3, stride, 1, groups=hidden, bias=False), nn.BatchNorm2d(hidden),
+                   nn.ReLU6(inplace=True), nn.Conv2d(hidden, c_out, 1, bias=False), nn.BatchNorm2d(c_out)]
+        self.conv = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return x + self.conv(x) if self.use_res else self.conv(x)
+
+
+def make_mobilenet_v2(classes: int = 1000) -> nn.Module:
+    """torchvision's mobilenet_v2() (width 1.0): the (expand, channels, repeats, stride) table of the paper."""
+    table = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
+    layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6(inplace=True)]
+    c_in = 32
+    for t, c, n, stride in table:
+        for i in range(n):
+            layers.append(_InvertedResidual(c_in, c, stride if i == 0 else 1, t))
+            c_in = c
+    layers += [nn.Conv2d(c_in, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6(inplace=True),
+               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(1280, classes)]
+    return nn.Sequential(*layers)
+
+
+def export_seconds(model: nn.Module, x: torch.Tensor) -> dict[str, float]:
+    """prepare_qat, calibrate on x, to_integer, then time export_mixed_precision(model, (x,)) (wall clock, s)."""
+    import time
+
+    import intqat
+
+    intqat.prepare_qat(model, "w8a8")
+    intqat.calibrate(model, [x])
+    intqat.to_integer(model)
+    model.eval()
+    t0 = time.perf_counter()
+    result = intqat.export_mixed_precision(model, (x,))
+    seconds = time.perf_counter() - t0
+    nodes = result.info["graph_nodes"]
+    return {"seconds": seconds, "exported_nodes": nodes["exported"], "tidied_nodes": nodes["tidied"],
+            "reference_equals_integer_model": result.validation["reference_equals_integer_model"]}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    mb = make_mobilenet_v2()
+    n_conv = sum(isinstance(m, nn.Conv2d) for m in mb.modules())
+    n_dw = sum(isinstance(m, nn.Conv2d) and m.groups > 1 for m in mb.modules())
+    print(f"MobileNet-V2: {n_conv} convs ({n_dw} depthwise), input (2, 3, 224, 224):",
+          export_seconds(mb, torch.randn(2, 3, 224, 224)))
