@@ -184,6 +184,38 @@ def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters():
     _export_equal(model, ids)
 
 
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq"])
+def test_conv1d_integer_layer_equals_the_linear_one_on_its_transposed_weight(cfg):
+    """A Conv1D's IntLinear reads the (in, out) Parameter as the (out, in) view: the same bits, forward and
+    gradients, as an nn.Linear holding the transposed copy; the Parameter and its key stay."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    c1d, x = Conv1D(24, 16), torch.randn(3, 5, 16)
+    lin = nn.Linear(16, 24)
+    with torch.no_grad():
+        lin.weight.copy_(c1d.weight.t())
+        lin.bias.copy_(c1d.bias)
+    ref = c1d(x)
+    a, b = nn.Sequential(c1d), nn.Sequential(lin)
+    weight = c1d.weight
+    for m in (a, b):
+        intqat.prepare_qat(m, cfg)
+        m.train()(x)  # observe the activation range
+        intqat.to_integer(m)
+    assert type(a[0]) is IntLinear and a[0].weight is weight and a[0].transposed and set(a.state_dict()) >= {"0.weight", "0.bias"}
+    ya, yb = a(x), b(x)
+    assert torch.equal(ya, yb) and ya.shape == ref.shape
+    ya.sum().backward()
+    yb.sum().backward()
+    assert torch.equal(a[0].weight.grad, b[0].weight.grad.t()) and torch.equal(a[0].bias.grad, b[0].bias.grad)
+    a.eval(), b.eval()
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+        assert torch.equal(intqat.to_deployed(a)(x), b(x))
+
+
 def test_bert_encoder_becomes_integer_and_exports():
     pytest.importorskip("transformers")
     torch.manual_seed(0)
