@@ -121,11 +121,12 @@ def _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilatio
     epilogue of integer_epilogue in the same float steps (so the same bits as a per-group int_mm would give),
     laid out (B, O, Ho, Wo) in the input's memory format by the convolution itself: no transposing copy."""
     O = q_w.shape[0]
-    xz = q_x.to(torch.float32) - z_x.reshape(()).to(torch.float32)  # exact: integers within [-255, 255]
-    acc = _grouped_acc(xz, q_w.to(torch.float32), stride, padding, dilation, groups)
+    # (q_x - z_x) * 1.0 in one fused pass on the CPU: exact integers within [-255, 255]
+    xz = dequantize(q_x, torch.ones((), dtype=torch.float32, device=q_x.device), z_x.reshape(()))
+    acc = _grouped_acc(xz, q_w.to(torch.float32), stride, padding, dilation, groups)  # fresh: updated in place
     scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
-    y = acc * scale
-    return y + bias.reshape(1, O, 1, 1) if bias is not None else y
+    y = acc.mul_(scale)
+    return y.add_(bias.reshape(1, O, 1, 1)) if bias is not None else y
 
 
 def is_channels_last(t: Tensor) -> bool:
