@@ -137,25 +137,33 @@ def test_integer_mha_is_close_to_float_and_deploys_exactly(name):
         assert torch.equal(deployed(*args, **opts)[0], out_nograd)
 
 
-def test_integer_mha_trains():
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq", "w4a8"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate-kdim"])
+def test_integer_mha_trains(cfg, packed):
     torch.manual_seed(0)
-    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True, **({} if packed else {"kdim": 16 + 4, "vdim": 16 + 4}))
     model = nn.Sequential()
     model.attn = mha
     x, target = torch.randn(8, 6, 16), torch.randn(8, 6, 16)
-    intqat.prepare_qat(model, "w8a8")
-    _observe(model.attn, x, x, x)
+    kv = x if packed else torch.randn(8, 6, 20)
+    intqat.prepare_qat(model, cfg)
+    _observe(model.attn, x, kv, kv)
     intqat.to_integer(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(8):
-        loss = F.mse_loss(model.attn(x, x, x, need_weights=False)[0], target)
+        loss = F.mse_loss(model.attn(x, kv, kv, need_weights=False)[0], target)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
-    assert mha.in_proj_weight.grad is not None and mha.out_proj.weight.grad is not None
+    w = mha.in_proj_weight if packed else mha.k_proj_weight
+    assert w.grad is not None and mha.out_proj.weight.grad is not None
+    model.eval()
+    with torch.no_grad():
+        y = model.attn(x, kv, kv)[0]
+        assert torch.equal(intqat.to_deployed(model).attn(x, kv, kv)[0], y)
 
 
 def test_cross_attention_call_on_a_self_attention_layer_names_the_quantizer():
