@@ -280,9 +280,11 @@ class IntMultiheadAttention(_QuantMHABase):
         if not aq.dynamic:
             aq._check_ready()
         rows_w = rows if w_rows is None else w_rows
+        whole = rows_w == slice(None) or rows_w == slice(0, w.shape[0])  # no slice: no scatter of the gradient
         # min-max per-channel scales: the op computes them per row, the same numbers as for the whole weight
         w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)[rows_w]
-        return int_linear(x, w[rows_w], self._bias(rows), aq.scale, aq.zero_point, w_scale,
+        bias = self.in_proj_bias if (whole and self._qkv_same_embed_dim) else self._bias(rows)
+        return int_linear(x, w if whole else w[rows_w], bias, aq.scale, aq.zero_point, w_scale,
                           x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
                           w_clip_mask=wq.scale is not None, grad_gemm=self.out_proj.grad_gemm)
 
