@@ -154,6 +154,7 @@ def test_vit_block_mha_and_patch_conv_become_integer():
     assert messages == []
     kinds = _census(model)
     assert kinds["IntMultiheadAttention"] == 2 and kinds["IntConv2d"] == 1
+    assert all(type(b.attn) is IntMultiheadAttention for b in model.blocks)
     assert kinds["IntLinear"] == 2 * 3 + 1  # per block: out_proj, mlp.0, mlp.2; and the head
     assert float_census(model) == {}
     _export_equal(model, x)
