@@ -164,7 +164,7 @@ def _lm_loss(ids):
     return lambda logits: F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters():
+def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
     pytest.importorskip("transformers")  # in the test extra; a plain `pip install intqat` may lack it
     from transformers.pytorch_utils import Conv1D
 
@@ -182,7 +182,8 @@ def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters():
     assert model.model.lm_head.weight is model.model.transformer.wte.weight  # the tie survives
     assert all(dict(model.named_parameters())[n] is p for n, p in params.items())
     assert keys <= set(model.state_dict())
-    _export_equal(model, ids)
+    result, expected, _ = _export_equal(model, ids)
+    _check_without_intqat(tmp_path, result, ids, expected)  # without transformers too
 
 
 @pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq"])
@@ -235,8 +236,8 @@ import importlib.abc, sys
 
 class _Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "intqat" or name.startswith("intqat."):
-            raise ImportError("this process must not import intqat")
+        if name.split(".")[0] in ("intqat", "transformers"):  # the programs need neither
+            raise ImportError(f"this process must not import {name}")
 
 sys.meta_path.insert(0, _Block())
 import torch
@@ -245,7 +246,7 @@ for pt2, inputs, out in zip(*[iter(sys.argv[1:])] * 3):
     ep = torch.export.load(pt2)
     assert torch.ops.aten._int_mm.default in [n.target for n in ep.graph.nodes]
     torch.save(ep.module()(torch.load(inputs)), out)
-assert "intqat" not in sys.modules
+assert "intqat" not in sys.modules and "transformers" not in sys.modules
 """
 
 
