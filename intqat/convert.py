@@ -15,17 +15,22 @@ import torch
 from torch import nn
 
 from intqat.config import QuantConfig, resolve_config
+from intqat.fold import ConvBnPairs, find_conv_bn_pairs
 from intqat.nn import (
+    ATTENTION_TYPES,
     DEPLOYED_TYPES,
     FAKE_QUANT_TYPES,
     INTEGER_TYPES,
     ActivationQuantizer,
     FakeQuantConv2d,
     FakeQuantLinear,
+    FakeQuantMultiheadAttention,
     IntConv2d,
     IntLinear,
+    IntMultiheadAttention,
 )
 from intqat.nn.conv import _QuantConvBase, conv_padding
+from intqat.nn.linear import is_hf_conv1d
 from intqat.nn.quantizers import name_quantizers
 
 __all__ = [
@@ -38,10 +43,12 @@ __all__ = [
     "freeze_bn_stats",
     "quantized_modules",
     "register_converter",
+    "float_census",
+    "disable_float_fast_paths",
 ]
 
 FilterFn = Callable[[nn.Module, str], bool]
-QUANT_TYPES = FAKE_QUANT_TYPES + INTEGER_TYPES + DEPLOYED_TYPES
+QUANT_TYPES = FAKE_QUANT_TYPES + INTEGER_TYPES + DEPLOYED_TYPES + ATTENTION_TYPES
 
 # Converters for fake-quant modules of other libraries: (predicate, fn(module) -> IntLinear/IntConv2d).
 # intqat.interop registers torchao's and torch.ao's when it is imported.
@@ -60,26 +67,52 @@ def _join(prefix: str, name: str) -> str:
 def prepare_qat(
     model: nn.Module, config: QuantConfig | str | dict | None = "w8a8", filter_fn: FilterFn | None = None
 ) -> nn.Module:
-    """Swap nn.Linear / nn.Conv2d (in place) for FakeQuantLinear / FakeQuantConv2d; returns model.
+    """Swap (in place) nn.Linear and transformers' Conv1D for FakeQuantLinear, nn.Conv2d for
+    FakeQuantConv2d, nn.MultiheadAttention for FakeQuantMultiheadAttention; returns model.
 
-    A Conv2d followed by a BatchNorm2d in an nn.Sequential is folded: the BN moves inside the
-    FakeQuantConv2d and its slot becomes nn.Identity. `filter_fn(module, fqn)` -> False keeps a
-    module float. Modules it cannot quantize stay float; one warning names them all.
+    A BatchNorm2d that takes a Conv2d's output (and nothing else does) is folded: the BN moves inside the
+    FakeQuantConv2d and its slot becomes nn.Identity. The pairs come from the model's data flow
+    (intqat.fold: a torch.fx trace, per submodule where the whole model does not trace).
+    `filter_fn(module, fqn)` -> False keeps a module float. Every linear-like layer, conv, BatchNorm and
+    attention left float is named, with the reason, in one warning. torch's fused TransformerEncoderLayer
+    fast path (which reads the float weights) is turned off where a layer was quantized.
     """
     from intqat import interop  # noqa: F401  (other libraries' QAT modules count as prepared)
 
     cfg = resolve_config(config)
-    skipped: list[str] = []
-    _prepare(model, "", cfg, filter_fn, skipped)
+    reasons: dict[str, str] = {}
+    _prepare_model(model, cfg, filter_fn, reasons)
     name_quantizers(model)  # their messages name the layer
-    if skipped:
-        warnings.warn("prepare_qat left these modules in float: " + "; ".join(skipped), stacklevel=2)
+    float_layers = float_census(model, reasons)
+    if float_layers:
+        warnings.warn("prepare_qat left these modules in float: " + _listing(float_layers), stacklevel=2)
     return model
 
 
-def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, skipped: list[str]) -> None:
-    names = list(parent._modules)
-    for i, name in enumerate(names):
+def _listing(float_layers: dict[str, str]) -> str:
+    return "; ".join(f"{fqn} ({why})" for fqn, why in float_layers.items())
+
+
+def _prepare_model(model: nn.Module, cfg: QuantConfig, filter_fn, reasons: dict[str, str]) -> None:
+    leaves = QUANT_TYPES + tuple(_converter_types(model))
+    found = find_conv_bn_pairs(model, leaves)
+    names = {id(m): n for n, m in model.named_modules()}
+    for fqn, err in found.untraced.items():
+        for child_name, child in (model.get_submodule("" if fqn == "<model>" else fqn)).named_children():
+            if type(child) is nn.BatchNorm2d:
+                reasons.setdefault(names.get(id(child), child_name),
+                                   f"BatchNorm2d not folded: torch.fx could not trace {fqn} to see what feeds it ({err})")
+    _prepare(model, "", cfg, filter_fn, reasons, found)
+    disable_float_fast_paths(model)
+
+
+def _converter_types(model: nn.Module) -> set[type]:
+    return {type(m) for m in model.modules() if any(p(m) for p, _ in _CONVERTERS)}
+
+
+def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, reasons: dict[str, str],
+             found: ConvBnPairs) -> None:
+    for name in list(parent._modules):
         child = parent._modules[name]
         if child is None:
             continue
@@ -87,27 +120,101 @@ def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, skippe
         if isinstance(child, QUANT_TYPES) or any(pred(child) for pred, _ in _CONVERTERS):
             continue  # already quantized (by intqat or another library): preparing twice is a no-op
         wanted = filter_fn is None or filter_fn(child, fqn)
-        if isinstance(child, nn.MultiheadAttention):
-            if wanted:
-                skipped.append(f"{fqn} (nn.MultiheadAttention reads out_proj.weight directly)")
+        if not wanted:
+            reasons[fqn] = "filter_fn returned False"
+            if not _is_layer(child):
+                _prepare(child, fqn, cfg, filter_fn, reasons, found)
             continue
-        if type(child) is nn.Linear and wanted:
+        if type(child) is nn.MultiheadAttention:
+            parent._modules[name] = FakeQuantMultiheadAttention.from_mha(child, cfg)
+        elif type(child) is nn.Linear or is_hf_conv1d(child):
             parent._modules[name] = FakeQuantLinear.from_linear(child, cfg)
-        elif type(child) is nn.Conv2d and wanted:
+        elif type(child) is nn.Conv2d:
             if conv_padding(child) is None:
-                skipped.append(f"{fqn} (padding {child.padding!r}, mode {child.padding_mode!r})")
+                reasons[fqn] = f"padding {child.padding!r}, mode {child.padding_mode!r}: no symmetric zero padding"
                 continue
             bn = None
-            if isinstance(parent, nn.Sequential) and i + 1 < len(names):
-                nxt = parent._modules[names[i + 1]]
-                if type(nxt) is nn.BatchNorm2d and nxt.num_features == child.out_channels and nxt.track_running_stats:
-                    bn = nxt
-                    parent._modules[names[i + 1]] = nn.Identity()
+            if id(child) in found.pairs:
+                bn_parent, bn_name, bn = found.pairs[id(child)]
+                bn_parent._modules[bn_name] = nn.Identity()  # folded into the conv below
             parent._modules[name] = FakeQuantConv2d.from_conv(child, cfg, bn)
-        elif isinstance(child, (nn.Linear, nn.Conv2d)) and wanted and type(child) not in (nn.Linear, nn.Conv2d):
-            skipped.append(f"{fqn} ({type(child).__name__}: a subclass whose forward intqat cannot vouch for)")
+        elif isinstance(child, (nn.Linear, nn.Conv2d, nn.MultiheadAttention)):
+            reasons[fqn] = _subclass_reason(child)
         else:
-            _prepare(child, fqn, cfg, filter_fn, skipped)
+            _prepare(child, fqn, cfg, filter_fn, reasons, found)
+
+
+# Float modules the census names, with the reason when nothing more specific was recorded.
+_CONVS = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _is_layer(m: nn.Module) -> bool:
+    return isinstance(m, (nn.Linear, nn.Conv2d, nn.MultiheadAttention) + _CONVS + _BNS) or is_hf_conv1d(m)
+
+
+def _subclass_reason(m: nn.Module) -> str:
+    base = next(b for b in (nn.Linear, nn.Conv2d, nn.MultiheadAttention) if isinstance(m, b))
+    return f"{type(m).__name__}: a subclass of nn.{base.__name__} whose forward intqat cannot vouch for"
+
+
+def _default_reason(m: nn.Module) -> str:
+    if isinstance(m, _CONVS):
+        return f"{type(m).__name__}: intqat has integer modules for Conv2d only"
+    if type(m) is nn.BatchNorm2d:
+        return "BatchNorm2d not folded: no Conv2d's output feeds it alone (or its conv stays float)"
+    if isinstance(m, _BNS):
+        return f"{type(m).__name__}: only a BatchNorm2d after a Conv2d folds"
+    if type(m) not in (nn.Linear, nn.Conv2d, nn.MultiheadAttention) and not is_hf_conv1d(m):
+        return _subclass_reason(m)
+    kind = f"nn.{type(m).__name__}" if type(m).__module__.startswith("torch.nn") else type(m).__name__
+    return f"{kind}: left float when the model was prepared (a filter_fn, another library's prepare, or added since)"
+    return type(m).__name__
+
+
+def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dict[str, str]:
+    """fqn -> why, for every linear-like layer, conv, BatchNorm and attention of `model` that computes in
+    float (not inside an intqat or converted module), and every quantized module conversion recorded a
+    reason for leaving as it was. `reasons`: what conversion recorded, by fqn."""
+    reasons = reasons or {}
+    out: dict[str, str] = {}
+
+    def visit(m: nn.Module, prefix: str) -> None:
+        for name, child in m.named_children():
+            fqn = _join(prefix, name)
+            if isinstance(child, QUANT_TYPES) or any(p(child) for p, _ in _CONVERTERS):
+                if fqn in reasons:  # a fake-quant module kept by filter_fn, another library's that did not convert
+                    out[fqn] = reasons[fqn]
+                continue
+            if _is_layer(child):
+                out[fqn] = reasons.get(fqn) or _default_reason(child)
+                if not isinstance(child, nn.MultiheadAttention):
+                    continue
+            visit(child, fqn)
+
+    visit(model, "")
+    return out
+
+
+def disable_float_fast_paths(model: nn.Module) -> list[str]:
+    """Turn off torch's fused transformer fast paths where intqat quantized a layer; returns the fqns.
+
+    In eval / no_grad, nn.TransformerEncoderLayer runs torch._transformer_encoder_layer_fwd on
+    `linear1.weight`, `self_attn.in_proj_weight`, ... directly: the float weights, past the integer modules
+    (and a deployed layer has no `.weight` at all). Its checks stop at `activation_relu_or_gelu` being
+    falsy, before reading any weight; the attribute is read nowhere else. nn.TransformerEncoder's
+    nested-tensor path reads its first layer's weights the same way unless `use_nested_tensor` is False.
+    """
+    changed = []
+    for fqn, m in model.named_modules():
+        quantized = any(isinstance(x, QUANT_TYPES) for x in m.modules())
+        if isinstance(m, nn.TransformerEncoderLayer) and quantized and m.activation_relu_or_gelu:
+            m.activation_relu_or_gelu = 0
+            changed.append(fqn)
+        elif isinstance(m, nn.TransformerEncoder) and quantized and getattr(m, "use_nested_tensor", False):
+            m.use_nested_tensor = False
+            changed.append(fqn)
+    return changed
 
 
 def to_integer(
@@ -132,38 +239,39 @@ def to_integer(
     has_source = any(
         isinstance(m, QUANT_TYPES) or any(p(m) for p, _ in _CONVERTERS) for m in model.modules()
     )
-    skipped: list[str] = []
+    reasons: dict[str, str] = {}
     if not has_source:
-        _prepare(model, "", resolve_config(config or "w8a8"), filter_fn, skipped)
+        _prepare_model(model, resolve_config(config or "w8a8"), filter_fn, reasons)
     if calibration_data is not None:
         batches = list(calibration_data)  # used twice below: a generator must not run dry
         if batches:
             first = batches[0][0] if isinstance(batches[0], (tuple, list)) else batches[0]
             interop.attach_torch_ao_input_qparams(model, (first,))
         calibrate(model, batches)
-    _swap_to_integer(model, "", filter_fn, skipped)
+    _swap_to_integer(model, "", filter_fn, reasons)
     name_quantizers(model)  # (converters of other libraries' modules make new quantizers)
-    if skipped:
-        unique = list(dict.fromkeys(skipped))  # one line per module, even if both passes met it
-        warnings.warn("to_integer left these modules as they were: " + "; ".join(unique), stacklevel=2)
+    disable_float_fast_paths(model)
+    left = float_census(model, reasons)
+    if left:
+        warnings.warn("to_integer left these modules as they were: " + _listing(left), stacklevel=2)
     return model
 
 
-def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, skipped: list[str]) -> None:
+def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, reasons: dict[str, str]) -> None:
     for name, child in list(parent._modules.items()):
         if child is None:
             continue
         fqn = _join(prefix, name)
         wanted = filter_fn is None or filter_fn(child, fqn)
-        if isinstance(child, INTEGER_TYPES + DEPLOYED_TYPES):
+        if isinstance(child, INTEGER_TYPES + DEPLOYED_TYPES + (IntMultiheadAttention,)):
             continue
-        if isinstance(child, FakeQuantLinear):
+        swap = {FakeQuantLinear: IntLinear, FakeQuantConv2d: IntConv2d, FakeQuantMultiheadAttention: IntMultiheadAttention}
+        kind = next((k for k in swap if isinstance(child, k)), None)
+        if kind is not None:
             if wanted:
-                parent._modules[name] = IntLinear.from_fake_quant(child)
-            continue
-        if isinstance(child, FakeQuantConv2d):
-            if wanted:
-                parent._modules[name] = IntConv2d.from_fake_quant(child)
+                parent._modules[name] = swap[kind].from_fake_quant(child)
+            else:
+                reasons[fqn] = "still fake-quant: filter_fn returned False"
             continue
         converter = next((fn for pred, fn in _CONVERTERS if pred(child)), None)
         if converter is not None:
@@ -171,12 +279,11 @@ def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, skipped: list[st
                 try:
                     parent._modules[name] = converter(child)
                 except (ValueError, NotImplementedError) as e:
-                    skipped.append(f"{fqn} ({e})")
+                    reasons[fqn] = str(e)
             continue
-        if isinstance(child, nn.MultiheadAttention):
-            skipped.append(f"{fqn} (nn.MultiheadAttention reads out_proj.weight directly)")
-            continue
-        _swap_to_integer(child, fqn, filter_fn, skipped)
+        if not wanted and _is_layer(child):
+            reasons[fqn] = "filter_fn returned False"
+        _swap_to_integer(child, fqn, filter_fn, reasons)
 
 
 def chain_int8(model: nn.Module) -> list[tuple[str, str]]:
@@ -226,7 +333,7 @@ def to_deployed(model: nn.Module, inplace: bool = False) -> nn.Module:
 
 def _swap_deployed(parent: nn.Module) -> None:
     for name, child in list(parent._modules.items()):
-        if isinstance(child, INTEGER_TYPES):
+        if isinstance(child, INTEGER_TYPES + (IntMultiheadAttention,)):
             parent._modules[name] = child.to_deployed()
         elif child is not None:
             _swap_deployed(child)

@@ -502,15 +502,17 @@ def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs
 def _integer_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     """A deployed copy of model: fake-quant modules become integer, integer ones deployed."""
     import intqat
-    from intqat.nn import DEPLOYED_TYPES, FAKE_QUANT_TYPES
+    from intqat.nn import DEPLOYED_TYPES, FAKE_QUANT_TYPES, DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
 
     work = copy.deepcopy(model)
-    n_fake = sum(isinstance(m, FAKE_QUANT_TYPES) for m in work.modules())
+    n_fake = sum(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules())
     if n_fake:
         intqat.to_integer(work)  # the learned scales carry over: what integer training would run
     deployed = intqat.to_deployed(work, inplace=True)
+    # integer GEMM layers: DeployedIntLinear / Conv2d, including those inside a deployed attention
     n_dep = sum(isinstance(m, DEPLOYED_TYPES) for m in deployed.modules())
-    return deployed, {"integer_layers": n_dep, "converted_from_fake_quant": n_fake}
+    n_attn = sum(isinstance(m, DeployedIntMultiheadAttention) for m in deployed.modules())
+    return deployed, {"integer_layers": n_dep, "integer_attention": n_attn, "converted_from_fake_quant": n_fake}
 
 
 def _dynamic_batch(args: tuple) -> tuple:

@@ -52,11 +52,13 @@ class ModulesSettings:
     # the recipes' optimizer (intqat.training.optimizers): torch's fused Adam; False: Adam's default
     # per-parameter loop (~4 ms more per MLP step here, the same for every flavour)
     fused_optimizer: bool = True
+    blocks: bool = True  # also the transformer-encoder and depthwise-separable blocks (intqat.bench.blocks)
+    quick_blocks: bool = False
 
     @classmethod
     def quick(cls) -> "ModulesSettings":
         return cls(mlp_in=128, mlp_width=128, mlp_batch=32, cnn_hw=16, cnn_channels=(8, 16, 16), cnn_batch=8,
-                   repeats=2, warmup=0, calib_batches=1)
+                   repeats=2, warmup=0, calib_batches=1, quick_blocks=True)
 
 
 def bench_models(s, g: torch.Generator, prefix: str = "",
@@ -259,6 +261,10 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         columns=cols,
     )
     models = bench_models(s, g, channels_last_cnn=True)
+    if s.blocks:
+        from intqat.bench.blocks import block_models
+
+        models += block_models(s, g, quick=s.quick_blocks)
     na_marks: dict[str, str] = {}
 
     def mark(reason: str) -> str:

@@ -4,9 +4,14 @@ they replace (an optimizer built before a swap keeps its state):
 FakeQuantLinear    fp32 simulation: F.linear(fq(x), fq(W)) with STE / LSQ gradients.
 IntLinear          the integer layer: int8 codes, int32 int_mm, float epilogue, in training and eval.
 DeployedIntLinear  frozen for export: int8 weight codes stored as buffers, no fp32 weight.
+
+`transformers`' Conv1D (GPT-2 family) is a linear layer whose weight is stored (in, out): the quantized
+layers keep that very Parameter (and its state_dict key) and read it as the (out, in) view `weight.t()`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -25,15 +30,26 @@ from intqat.ops.int_linear import (
 from intqat.ops.quant import quantize
 from intqat.nn.fake_quantize import fake_quantize_ste
 
-__all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear"]
+__all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear", "is_hf_conv1d"]
+
+
+def is_hf_conv1d(m: nn.Module) -> bool:
+    """Is m exactly `transformers.pytorch_utils.Conv1D` (y = x @ W + b, W stored (in, out))?
+    Looked up in sys.modules: a model can hold one only once transformers is loaded."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return mod is not None and type(m) is getattr(mod, "Conv1D", None)
 
 
 class _QuantLinearBase(nn.Module):
     grad_gemm = "int8x3"  # QuantConfig.grad_gemm: how IntLinear's backward GEMMs run (set per instance)
+    transposed = False  # class default: modules pickled before Conv1D support read as nn.Linear layout
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, input_quantizer, weight_quantizer):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, input_quantizer, weight_quantizer,
+                 transposed: bool = False):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
+        # transposed: weight stored (in, out) as transformers' Conv1D keeps it; read through w_nk()
+        self.transposed = transposed
+        self.out_features, self.in_features = weight.shape[::-1] if transposed else weight.shape
         self.weight = weight
         self.bias = bias
         self.input_quantizer = input_quantizer
@@ -41,11 +57,21 @@ class _QuantLinearBase(nn.Module):
 
     def extra_repr(self) -> str:
         grad = "" if self.grad_gemm == "int8x3" else f", grad_gemm={self.grad_gemm}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{grad}"
+        t = ", weight (in, out) as Conv1D" if self.transposed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{grad}{t}"
 
-    def to_linear(self) -> nn.Linear:
-        """Back to a float nn.Linear sharing the same Parameters."""
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+    def w_nk(self) -> Tensor:
+        """The weight as (out, in) = (N, K): the Parameter itself, or a view of a Conv1D's (in, out) one."""
+        return self.weight.t() if self.transposed else self.weight
+
+    def to_linear(self) -> nn.Module:
+        """Back to a float nn.Linear (or the Conv1D it came from) sharing the same Parameters."""
+        if self.transposed:
+            from transformers.pytorch_utils import Conv1D
+
+            lin = Conv1D(self.out_features, self.in_features)
+        else:
+            lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight, lin.bias = self.weight, self.bias
         return lin
 
@@ -54,13 +80,17 @@ class FakeQuantLinear(_QuantLinearBase):
     """y = F.linear(fq(x), fq(W), b): the fake-quant stage that warms up scales."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
+        """From an nn.Linear, or a transformers Conv1D (weight (in, out), kept as it is)."""
         config = resolve_config(config)
+        transposed = is_hf_conv1d(linear)
+        w_nk = linear.weight.t() if transposed else linear.weight
         fq = cls(
             linear.weight,
             linear.bias,
             ActivationQuantizer(config.activation).to(linear.weight.device),
-            WeightQuantizer(config.weight, linear.weight).to(linear.weight.device),
+            WeightQuantizer(config.weight, w_nk).to(linear.weight.device),
+            transposed=transposed,
         )
         if config.grad_gemm != fq.grad_gemm:
             fq.grad_gemm = config.grad_gemm  # carried to the IntLinear that replaces it
@@ -68,7 +98,7 @@ class FakeQuantLinear(_QuantLinearBase):
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
-        return F.linear(self.input_quantizer.fake_quant(x), self.weight_quantizer.fake_quant(self.weight), self.bias)
+        return F.linear(self.input_quantizer.fake_quant(x), self.weight_quantizer.fake_quant(self.w_nk()), self.bias)
 
 
 class IntLinear(_QuantLinearBase):
@@ -89,7 +119,7 @@ class IntLinear(_QuantLinearBase):
 
     @classmethod
     def from_fake_quant(cls, fq: FakeQuantLinear) -> "IntLinear":
-        mod = cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer)
+        mod = cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer, transposed=fq.transposed)
         if fq.grad_gemm != mod.grad_gemm:
             mod.grad_gemm = fq.grad_gemm
         return mod
@@ -109,8 +139,9 @@ class IntLinear(_QuantLinearBase):
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
             wq = self.weight_quantizer
             # min-max per-channel scales: the op computes them in the pass that makes the codes
-            w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(self.weight)
-            y = int_linear(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            w = self.w_nk()
+            w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)
+            y = int_linear(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
         else:
             y = self._integer_forward(x)
         return self._requantize(y)
@@ -146,8 +177,8 @@ class IntLinear(_QuantLinearBase):
             cache = self.__dict__.get("_codes_cache")
             if cache is not None and cache[0] == key:
                 return cache[1]
-        w_scale = wq.channel_scale(self.weight).detach()
-        q_w, _, w_colsum, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax, need_colsum=not aq.dynamic)
+        w_scale = wq.channel_scale(self.w_nk()).detach()
+        q_w, _, w_colsum, _ = quantize_weight(self.w_nk(), w_scale, wq.qmin, wq.qmax, need_colsum=not aq.dynamic)
         codes = (q_w, w_colsum, w_scale)
         if key is not None:
             self.__dict__["_codes_cache"] = (key, codes)
@@ -159,8 +190,8 @@ class IntLinear(_QuantLinearBase):
         aq, wq = self.input_quantizer, self.weight_quantizer
         if not aq.dynamic:
             aq._check_ready()
-        w_scale = wq.channel_scale(self.weight).detach().contiguous().clone()
-        q_w, _, _, _ = quantize_weight(self.weight, w_scale, wq.qmin, wq.qmax)
+        w_scale = wq.channel_scale(self.w_nk()).detach().contiguous().clone()
+        q_w, _, _, _ = quantize_weight(self.w_nk(), w_scale, wq.qmin, wq.qmax)
         z_x = torch.zeros(1, dtype=torch.int32) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
         oq = self.output_quantizer
         return DeployedIntLinear(

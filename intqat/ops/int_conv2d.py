@@ -4,7 +4,9 @@ Forward, x (B, C, H, W), W (O, C/g, kh, kw):
     q_x  = quantize(x, s_x, z_x)                           per tensor (static, or dynamic symmetric)
     cols = im2col(pad(q_x, value=z_x))                     (B*Ho*Wo, C*kh*kw) int8, channels innermost;
                                                            padding holds the code of 0.0: adds nothing
-    acc  = int_mm(cols_g, q_w_gᵀ) - z_x * colsum(q_w_g)    per group g, int32, exact
+    acc  = int_mm(cols, q_wᵀ) - z_x * colsum(q_w)          groups == 1: int32, exact
+    acc  = conv2d_fp32(q_x - z_x, q_w, groups)             groups > 1 (depthwise too): one grouped conv of
+                                                           the codes in fp32, exact (see _grouped_acc)
     y    = float32(acc) * (s_x * s_w[o]) + b[o]
 Backward (STE): aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w),
 then the clip masks, and LSQ gradients for learned scales, as in int_linear.
@@ -68,20 +70,13 @@ def conv_codes_forward(
 ) -> Tensor:
     """Integer conv from codes: q_x (B, C, H, W) int8, q_w (O, C/g, kh, kw) int8 -> y (B, O, Ho, Wo) fp32.
     pad_value: z_x as a Python int when known (faster padding); None reads it from the tensor z_x."""
+    if groups > 1:
+        return _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups)
     B = q_x.shape[0]
     O, _, kh, kw = q_w.shape
     cols, Ho, Wo = _im2col(q_x, z_x if pad_value is None else pad_value, (kh, kw), stride, padding, dilation, groups)
-    qw2 = _weight_columns(q_w)
-    kg, og = qw2.shape[1], O // groups
-    outs = []
-    for g in range(groups):
-        acc = int_mm(cols[:, g * kg : (g + 1) * kg], qw2[g * og : (g + 1) * og].t())  # (B*L, O/g) int32
-        sl = slice(g * og, (g + 1) * og)
-        outs.append(
-            integer_epilogue(acc, z_x, w_colsum[sl] if w_colsum.numel() > 1 else w_colsum, s_x, w_scale[sl],
-                             None if bias is None else bias[sl])
-        )
-    y = outs[0] if groups == 1 else torch.cat(outs, dim=1)
+    acc = int_mm(cols, _weight_columns(q_w).t())  # (B*Ho*Wo, O) int32
+    y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, bias)
     # The (B*Ho*Wo, O) rows are NHWC pixels. Like nn.Conv2d, the output takes the input's memory
     # format: for channels_last input that is these rows as they are (no copy, and the next integer
     # conv reads its codes in place); for NCHW input, a transposing copy (code that calls .view() on
@@ -90,9 +85,67 @@ def conv_codes_forward(
     return y if is_channels_last(q_x) else y.contiguous()
 
 
+# fp32 holds every integer up to 2^24 exactly; a product (q_x - z_x) * q_w is at most 255 * 128 < 2^15 in
+# magnitude, so any sum of <= 2^24 / 2^15 = 512 of them (any order, any blocking, FMA or not) is exact:
+# NUMERICS.md's last section, with the zero point taken into the codes. It stays exact with oneDNN's reduced
+# fp32 precision modes too (torch.backends.mkldnn.conv.fp32_precision "tf32" / "bf16", checked here): the
+# operands are integers of <= 8 significant bits, which both formats hold, and the sums stay fp32.
+_EXACT_FP32_TERMS = 512
+
+
+def _grouped_acc(xz: Tensor, w: Tensor, stride, padding, dilation, groups: int) -> Tensor:
+    """acc[b, o] = sum (q_x - z_x) * q_w over o's group, exact: fp32 codes xz (B, C, H, W), w (O, C/g, kh, kw).
+
+    One grouped fp32 convolution (oneDNN's depthwise / grouped kernels) when a group's C/g * kh * kw terms
+    fit _EXACT_FP32_TERMS; else the input channels of every group are cut into chunks that do (a few convs,
+    each covering all groups), whose exact partial sums are added in int32. Zero padding is exact: the
+    padded code is z_x, and xz = q_x - z_x is 0 there."""
+    O, Cg, kh, kw = w.shape
+    per = max(1, _EXACT_FP32_TERMS // (kh * kw))  # input channels per group per chunk
+    if Cg <= per:
+        return F.conv2d(xz, w, None, stride, padding, dilation, groups)
+    acc = None
+    base = torch.arange(groups, device=xz.device).reshape(-1, 1) * Cg
+    for c0 in range(0, Cg, per):
+        c1 = min(Cg, c0 + per)
+        chans = (base + torch.arange(c0, c1, device=xz.device)).reshape(-1)  # chunk c0:c1 of every group
+        part = F.conv2d(xz.index_select(1, chans), w[:, c0:c1], None, stride, padding, dilation, groups)
+        part = part.to(torch.int32)
+        acc = part if acc is None else acc + part
+    fmt = torch.channels_last if is_channels_last(xz) else torch.contiguous_format  # as nn.Conv2d would return
+    return acc.to(torch.float32).contiguous(memory_format=fmt)
+
+
+def _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups) -> Tensor:
+    """Grouped / depthwise integer conv as one computation: y = float32(acc) * (s_x * s_w[o]) + b[o], the
+    epilogue of integer_epilogue in the same float steps (so the same bits as a per-group int_mm would give),
+    laid out (B, O, Ho, Wo) in the input's memory format by the convolution itself: no transposing copy."""
+    O = q_w.shape[0]
+    # (q_x - z_x) * 1.0 in one fused pass on the CPU: exact integers within [-255, 255]
+    xz = dequantize(q_x, torch.ones((), dtype=torch.float32, device=q_x.device), z_x.reshape(()))
+    acc = _grouped_acc(xz, q_w.to(torch.float32), stride, padding, dilation, groups)  # fresh: updated in place
+    scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
+    y = acc.mul_(scale)
+    return y.add_(bias.reshape(1, O, 1, 1)) if bias is not None else y
+
+
 def is_channels_last(t: Tensor) -> bool:
     """Does t (4-D) live in channels_last memory format (and not also in the contiguous one)?"""
     return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+
+
+def _not_a_view(t: Tensor) -> Tensor:
+    """t itself if it owns its memory, else a tensor over the same memory that is not a view (no copy).
+
+    The GEMM rows (B*Ho*Wo, O) come back permuted to (B, O, Ho, Wo): a view when the output is
+    channels_last, or 1x1 spatially (where .contiguous() has nothing to do). Autograd forbids in-place
+    ops on a custom op's outputs that are views (MobileNet-V2's ReLU6(inplace=True) after a 1x1 conv
+    output: "Output 0 of GeneratedBackwardFor_intqat_int_conv2d_default is a view and is being modified
+    inplace"); the base is the op's own temporary, so nothing else can see the memory."""
+    if t._base is None:
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                t.shape, t.stride())
 
 
 def _quantize_input(x, x_scale, x_zero_point, qmin, qmax, dynamic, need_mask):
@@ -126,7 +179,7 @@ def _int_conv2d_op(
     y = conv_codes_forward(q_x, z_x, s_x, q_w, colsum, ws, None if bias is None else bias.detach(),
                            stride, padding, dilation, groups, pad_value=int(z_x))
     empty = lambda: torch.empty(0, dtype=torch.bool, device=x.device)  # noqa: E731 (outputs may not alias)
-    return (y, q_x, mask_x if mask_x is not None else empty(), q_w,
+    return (_not_a_view(y), q_x, mask_x if mask_x is not None else empty(), q_w,
             mask_w.reshape(weight.shape) if mask_w is not None else empty(), s_x, z_x)
 
 

@@ -1,0 +1,281 @@
+"""The whole flow on the model families users bring (tests/real_models.py): prepare_qat -> fake-quant steps
+-> freeze -> to_integer -> integer steps -> export -> load without intqat.
+
+For each model: the conversion census (what became integer, what stayed float and why), training goes
+on (finite, falling loss on a fixed batch), in eval the integer model equals the exported reference
+program (torch.equal), and the programs load and run in a Python that never imports intqat.
+"""
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import intqat
+from intqat.convert import float_census
+from intqat.export import write_program
+from intqat.nn import IntConv2d, IntLinear, IntMultiheadAttention
+from real_models import TinyMobileNetV2, TinyResNet, TinyViT, tiny_bert, tiny_gpt2
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+
+def _steps(model, x, loss_fn, n, lr=3e-3):
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    model.train()
+    for _ in range(n):
+        loss = loss_fn(model(x))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _flow(model, x, loss_fn):
+    """-> (warnings of prepare_qat and to_integer, integer-stage losses). Fake quant 3 steps, integer 6."""
+    with warnings.catch_warnings(record=True) as w_prep:
+        warnings.simplefilter("always")
+        intqat.prepare_qat(model, "w8a8")
+    _steps(model, x, loss_fn, 3)
+    intqat.freeze_observers(model)
+    intqat.freeze_bn_stats(model)
+    with warnings.catch_warnings(record=True) as w_int:
+        warnings.simplefilter("always")
+        intqat.to_integer(model)
+    losses = _steps(model, x, loss_fn, 6, lr=1e-3)
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    messages = [str(w.message) for w in w_prep + w_int if "left these modules" in str(w.message)]
+    return messages, losses
+
+
+def _census(model):
+    kinds = {}
+    for m in model.modules():
+        kinds[type(m).__name__] = kinds.get(type(m).__name__, 0) + 1
+    return kinds
+
+
+def _export_equal(model, x):
+    """Eval: the integer model == the exported reference program, bit for bit. -> (result, seconds)."""
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    t0 = time.perf_counter()
+    result = intqat.export_mixed_precision(model, (x,))
+    seconds = time.perf_counter() - t0
+    assert torch.equal(result.reference.module()(x), expected)
+    assert result.validation["reference_equals_integer_model"] is True
+    ops = {str(n.target) for n in result.reference.graph.nodes if n.op == "call_function"}
+    assert "aten._int_mm.default" in ops and not any(o.startswith("intqat") for o in ops)
+    return result, expected, seconds
+
+
+def _classify(y):
+    return lambda logits: F.cross_entropy(logits, y)
+
+
+# -- CNNs ------------------------------------------------------------------------------------------------
+
+
+def test_resnet_blocks_fold_every_batchnorm_from_the_data_flow():
+    torch.manual_seed(0)
+    model, x, y = TinyResNet(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    n_bn = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    messages, _ = _flow(model, x, _classify(y))
+    assert messages == []  # nothing stays float
+    kinds = _census(model)
+    assert kinds["IntConv2d"] == 10 and kinds["IntLinear"] == 1 and n_bn == 10  # stem, 4 blocks x 2, a downsample
+    assert all(isinstance(m, IntConv2d) and m.bn is not None for m in model.modules() if isinstance(m, IntConv2d))
+    assert isinstance(model.layer1[0].bn1, nn.Identity)  # an attribute, not a Sequential neighbour: folded
+    assert float_census(model) == {}
+    _export_equal(model, x)
+
+
+def test_mobilenet_v2_inplace_relu6_depthwise_and_export(tmp_path):
+    torch.manual_seed(0)
+    model, x, y = TinyMobileNetV2(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    messages, _ = _flow(model, x, _classify(y))  # ReLU6(inplace=True) after 1x1 maps, in training
+    assert messages == []
+    depthwise = [m for m in model.modules() if isinstance(m, IntConv2d) and m.groups > 1]
+    assert len(depthwise) == 6 and all(m.groups == m.in_channels and m.bn is not None for m in depthwise)
+    assert float_census(model) == {}
+    # channels_last trains too (every integer conv output there is a permuted GEMM result)
+    _steps(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last), _classify(y), 1)
+    model.to(memory_format=torch.contiguous_format)
+    result, expected, _ = _export_equal(model, x)  # its time is measured by intqat-bench, not asserted here
+    _check_without_intqat(tmp_path, result, x, expected)
+
+
+def test_untraceable_module_names_its_unfolded_batchnorm():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent: torch.fx cannot trace it
+                x = -x
+            return self.bn(self.conv(x))
+
+    model = nn.Sequential(Branchy())
+    with pytest.warns(UserWarning, match=r"0\.bn \(BatchNorm2d not folded: torch.fx could not trace 0") as rec:
+        intqat.prepare_qat(model, "w8a8")
+    assert len([r for r in rec if "left these modules" in str(r.message)]) == 1
+    assert type(model[0].bn) is nn.BatchNorm2d and model[0].conv.bn is None
+
+
+def test_float_census_names_every_kind_with_its_reason():
+    model = nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.Flatten(), nn.Linear(8, 4),
+                          nn.BatchNorm1d(4), nn.Conv2d(1, 1, 3, padding=1, padding_mode="circular"))
+    with pytest.warns(UserWarning) as rec:
+        intqat.prepare_qat(model, "w8a8", filter_fn=lambda m, fqn: fqn != "3")
+    (msg,) = [str(r.message) for r in rec if "left these modules" in str(r.message)]
+    assert "0 (Conv1d: intqat has integer modules for Conv2d only)" in msg
+    assert "1 (BatchNorm1d: only a BatchNorm2d after a Conv2d folds)" in msg
+    assert "3 (filter_fn returned False)" in msg and "4 (BatchNorm1d" in msg and "5 (padding" in msg
+
+
+# -- transformers ---------------------------------------------------------------------------------------
+
+
+def test_vit_block_mha_and_patch_conv_become_integer():
+    torch.manual_seed(0)
+    model, x, y = TinyViT(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    messages, _ = _flow(model, x, _classify(y))
+    assert messages == []
+    kinds = _census(model)
+    assert kinds["IntMultiheadAttention"] == 2 and kinds["IntConv2d"] == 1
+    assert all(type(b.attn) is IntMultiheadAttention for b in model.blocks)
+    assert kinds["IntLinear"] == 2 * 3 + 1  # per block: out_proj, mlp.0, mlp.2; and the head
+    assert float_census(model) == {}
+    _export_equal(model, x)
+
+
+def _lm_loss(ids):
+    return lambda logits: F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
+    pytest.importorskip("transformers")  # in the test extra; a plain `pip install intqat` may lack it
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    model, ids = tiny_gpt2(), torch.randint(0, 64, (4, 16))
+    conv1d = {n: m for n, m in model.named_modules() if isinstance(m, Conv1D)}
+    assert len(conv1d) == 8  # c_attn, c_proj (attention), c_fc, c_proj (MLP) in 2 layers
+    params = dict(model.named_parameters())
+    keys = set(model.state_dict())
+    messages, _ = _flow(model, ids, _lm_loss(ids))
+    assert messages == []
+    mods = dict(model.named_modules())
+    assert all(type(mods[n]) is IntLinear and mods[n].transposed for n in conv1d)
+    assert type(model.model.lm_head) is IntLinear
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight  # the tie survives
+    assert all(dict(model.named_parameters())[n] is p for n, p in params.items())
+    assert keys <= set(model.state_dict())
+    result, expected, _ = _export_equal(model, ids)
+    _check_without_intqat(tmp_path, result, ids, expected)  # without transformers too
+
+
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq"])
+def test_conv1d_integer_layer_equals_the_linear_one_on_its_transposed_weight(cfg):
+    """A Conv1D's IntLinear reads the (in, out) Parameter as the (out, in) view: the same bits, forward and
+    gradients, as an nn.Linear holding the transposed copy; the Parameter and its key stay."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    c1d, x = Conv1D(24, 16), torch.randn(3, 5, 16)
+    lin = nn.Linear(16, 24)
+    with torch.no_grad():
+        lin.weight.copy_(c1d.weight.t())
+        lin.bias.copy_(c1d.bias)
+    ref = c1d(x)
+    a, b = nn.Sequential(c1d), nn.Sequential(lin)
+    weight = c1d.weight
+    for m in (a, b):
+        intqat.prepare_qat(m, cfg)
+        m.train()(x)  # observe the activation range
+        intqat.to_integer(m)
+    assert type(a[0]) is IntLinear and a[0].weight is weight and a[0].transposed and set(a.state_dict()) >= {"0.weight", "0.bias"}
+    ya, yb = a(x), b(x)
+    assert torch.equal(ya, yb) and ya.shape == ref.shape
+    ya.sum().backward()
+    yb.sum().backward()
+    assert torch.equal(a[0].weight.grad, b[0].weight.grad.t()) and torch.equal(a[0].bias.grad, b[0].bias.grad)
+    a.eval(), b.eval()
+    with torch.no_grad():
+        assert torch.equal(a(x), b(x))
+        assert torch.equal(intqat.to_deployed(a)(x), b(x))
+
+
+def test_bert_encoder_becomes_integer_and_exports():
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, ids, y = tiny_bert(), torch.randint(0, 64, (4, 16)), torch.randint(0, 4, (4,))
+    n_linear = sum(type(m) is nn.Linear for m in model.modules())
+    messages, _ = _flow(model, ids, _classify(y))
+    assert messages == []
+    assert _census(model)["IntLinear"] == n_linear == 2 * 6 + 2  # q, k, v, o, up, down per layer; pooler; classifier
+    _export_equal(model, ids)
+
+
+# -- the programs outside intqat --------------------------------------------------------------------------
+
+_NO_INTQAT = r"""
+import importlib.abc, sys
+
+class _Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("intqat", "transformers"):  # the programs need neither
+            raise ImportError(f"this process must not import {name}")
+
+sys.meta_path.insert(0, _Block())
+import torch
+
+for pt2, inputs, out in zip(*[iter(sys.argv[1:])] * 3):
+    ep = torch.export.load(pt2)
+    assert torch.ops.aten._int_mm.default in [n.target for n in ep.graph.nodes]
+    torch.save(ep.module()(torch.load(inputs)), out)
+assert "intqat" not in sys.modules and "transformers" not in sys.modules
+"""
+
+
+def _check_without_intqat(tmp_path, result, x, expected):
+    """The reference program returns the integer model's output exactly in a process without intqat;
+    the mixed-precision model.pt2 runs there too."""
+    write_program(result.reference, tmp_path / "ref.pt2")
+    result.save(tmp_path / "export")
+    torch.save(x, tmp_path / "x.pt")
+    jobs = [(tmp_path / "ref.pt2", tmp_path / "x.pt", tmp_path / "ref_y.pt"),
+            (tmp_path / "export" / "model.pt2", tmp_path / "x.pt", tmp_path / "mixed_y.pt")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [str(a) for job in jobs for a in job]
+    proc = subprocess.run([sys.executable, "-c", _NO_INTQAT, *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert torch.equal(torch.load(tmp_path / "ref_y.pt"), expected)
+    mixed = torch.load(tmp_path / "mixed_y.pt")
+    assert mixed.shape == expected.shape and torch.isfinite(mixed).all()
+
+
+def test_encoder_program_loads_and_runs_without_intqat(tmp_path):
+    """nn.TransformerEncoder with integer attention: exported, loaded and run without intqat (the
+    MobileNet-V2 program: test_mobilenet_v2_inplace_relu6_depthwise_and_export)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model, x = nn.TransformerEncoder(layer, 2), torch.randn(4, 8, 32)
+    intqat.prepare_qat(model, "w8a8")
+    _steps(model, x, lambda out: out.pow(2).mean(), 2)
+    intqat.to_integer(model)
+    result, expected, _ = _export_equal(model, x)
+    _check_without_intqat(tmp_path, result, x, expected)
