@@ -21,8 +21,12 @@ from intqat.nn import (
     INTEGER_TYPES,
     ActivationQuantizer,
     FakeQuantConv2d,
+    FakeQuantEmbedding,
+    FakeQuantGroupedLinear,
     FakeQuantLinear,
+    GroupedIntLinear,
     IntConv2d,
+    IntEmbedding,
     IntLinear,
 )
 from intqat.nn.conv import _QuantConvBase, conv_padding
@@ -90,7 +94,13 @@ def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, skippe
                 skipped.append(f"{fqn} (nn.MultiheadAttention reads out_proj.weight directly)")
             continue
         if type(child) is nn.Linear and wanted:
-            parent._modules[name] = FakeQuantLinear.from_linear(child, cfg)
+            grouped = cfg.weight.granularity == "group"  # per-group weights: intqat.nn.grouped_linear
+            parent._modules[name] = (FakeQuantGroupedLinear if grouped else FakeQuantLinear).from_linear(child, cfg)
+        elif type(child) is nn.Embedding and wanted and cfg.embedding is not None:
+            try:
+                parent._modules[name] = FakeQuantEmbedding.from_embedding(child, cfg)
+            except ValueError as e:
+                skipped.append(f"{fqn} ({e})")
         elif type(child) is nn.Conv2d and wanted:
             if conv_padding(child) is None:
                 skipped.append(f"{fqn} (padding {child.padding!r}, mode {child.padding_mode!r})")
@@ -157,6 +167,11 @@ def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, skipped: list[st
         if isinstance(child, FakeQuantLinear):
             if wanted:
                 parent._modules[name] = IntLinear.from_fake_quant(child)
+            continue
+        if isinstance(child, (FakeQuantGroupedLinear, FakeQuantEmbedding)):
+            if wanted:
+                integer = GroupedIntLinear if isinstance(child, FakeQuantGroupedLinear) else IntEmbedding
+                parent._modules[name] = integer.from_fake_quant(child)
             continue
         if isinstance(child, FakeQuantConv2d):
             if wanted:
