@@ -89,7 +89,8 @@ class GroupWeightQuantizer(nn.Module):
 
 # Codes of one weight under one quantizer setting, shared by every module deployed from it in one
 # to_deployed pass: a lm_head tied to an embedding stores its codes once (the same buffer object).
-_FROZEN: "weakref.WeakKeyDictionary[Tensor, dict]" = weakref.WeakKeyDictionary()
+# id(weight) -> (weakref to the weight, key, codes); an entry dies with its weight.
+_FROZEN: dict[int, tuple] = {}
 
 
 @torch.no_grad()
@@ -97,12 +98,12 @@ def frozen_group_codes(weight: Tensor, wq: GroupWeightQuantizer) -> tuple[Tensor
     """wq.codes(weight), memoised on the weight object and its version: equal settings -> same tensors."""
     key = (weight._version, wq.group_size, wq.qmin, wq.qmax, wq.scale_div,
            None if wq.scale is None else (id(wq.scale), wq.scale._version))
-    memo = _FROZEN.setdefault(weight, {})
-    if key not in memo:
-        memo.clear()  # an older version of the weight: its codes are stale
+    hit = _FROZEN.get(id(weight))
+    if hit is None or hit[0]() is not weight or hit[1] != key:  # new weight, or an older version of it
         q_w, s_w = wq.codes(weight)
-        memo[key] = (q_w.contiguous(), s_w.to(torch.float32).contiguous().clone())
-    return memo[key]
+        ref = weakref.ref(weight, lambda _, i=id(weight): _FROZEN.pop(i, None))
+        hit = _FROZEN[id(weight)] = (ref, key, (q_w.contiguous(), s_w.to(torch.float32).contiguous().clone()))
+    return hit[2]
 
 
 def _check_activation(spec: QuantSpec) -> None:

@@ -58,7 +58,7 @@ void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, i
 #ifdef __AVX512VNNI__
 /* mr (<= 4) rows x 32 columns (two zmm) of y. bp: this column block's packed codes; the second
  * 16 columns start bstride bytes later. swt, cs: (G, Np) at column n0. */
-static inline void tile_vnni(int mr, const int8_t *qx, int64_t ldx, const int8_t *bp, int64_t bstride,
+static inline __attribute__((always_inline)) void tile_vnni(const int mr, const int8_t *qx, int64_t ldx, const int8_t *bp, int64_t bstride,
                              int64_t K, int64_t gs, const int32_t *cs, const float *swt, int64_t Np, int32_t z,
                              const float *sx, int64_t sx_stride, const float *bias, float *y, int64_t ldy,
                              int64_t ncols) {
@@ -75,6 +75,7 @@ static inline void tile_vnni(int mr, const int8_t *qx, int64_t ldx, const int8_t
             __m512i b0 = _mm512_loadu_si512((const void *)(b + q * 64));
             __m512i b1 = _mm512_loadu_si512((const void *)(b + bstride + q * 64));
             int64_t k = (g * QG + q) * 4;
+#pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 int32_t xv;
                 memcpy(&xv, qx + r * ldx + k, 4);
@@ -121,8 +122,16 @@ void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t
             int64_t m0 = i * 4, n0 = j * 2 * NB;
             int mr = (int)(M - m0 < 4 ? M - m0 : 4);
             int64_t ncols = N - n0 < 2 * NB ? N - n0 : 2 * NB;
-            tile_vnni(mr, q_x + m0 * ldx, ldx, bp + (n0 / NB) * bstride, bstride, K, gs, cs + n0, swt + n0, Np, z,
-                      s_x + m0 * sx_stride, sx_stride, bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, ncols);
+            /* mr as a literal: the accumulator arrays then live in registers */
+#define TILE(MR) tile_vnni(MR, q_x + m0 * ldx, ldx, bp + (n0 / NB) * bstride, bstride, K, gs, cs + n0, swt + n0, Np, \
+                           z, s_x + m0 * sx_stride, sx_stride, bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, ncols)
+            switch (mr) {
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
+            }
+#undef TILE
         }
 #else
     (void)q_x; (void)M; (void)K; (void)ldx; (void)bp; (void)cs; (void)swt; (void)N; (void)Np; (void)gs; (void)z;
