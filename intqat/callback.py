@@ -61,7 +61,8 @@ def save_quant_structure(module: nn.Module, checkpoint: dict) -> None:
         fqn: {
             "kind": "integer" if isinstance(m, INTEGER_TYPES) else "fake",
             "weight": asdict(m.weight_quantizer.spec),
-            "activation": asdict(m.input_quantizer.spec),
+            # embeddings have no input quantizer: None marks the record as an embedding's
+            "activation": asdict(m.input_quantizer.spec) if hasattr(m, "input_quantizer") else None,
         }
         for fqn, m in module.named_modules()
         if isinstance(m, _QUANT)
@@ -90,7 +91,10 @@ def restore_quant_structure(module: nn.Module, checkpoint: Mapping) -> None:
     by_config: dict[QuantConfig, set[str]] = {}
     for fqn, rec in layers.items():
         if not _is_quant(module, fqn):
-            cfg = QuantConfig(weight=QuantSpec(**rec["weight"]), activation=QuantSpec(**rec["activation"]))
+            if rec["activation"] is None:  # an embedding (intqat.nn.embedding)
+                cfg = QuantConfig(embedding=QuantSpec(**rec["weight"]))
+            else:
+                cfg = QuantConfig(weight=QuantSpec(**rec["weight"]), activation=QuantSpec(**rec["activation"]))
             by_config.setdefault(cfg, set()).add(fqn)
     for cfg, fqns in by_config.items():
         prepare_qat(module, cfg, filter_fn=lambda m, n, fqns=fqns: n in fqns)
@@ -105,7 +109,7 @@ def restore_quant_structure(module: nn.Module, checkpoint: Mapping) -> None:
                 f"{type(m).__name__ if m is not None else 'no such module'} there: build the model with the "
                 "architecture of the run that saved the checkpoint"
             )
-        here = (asdict(m.weight_quantizer.spec), asdict(m.input_quantizer.spec))
+        here = (asdict(m.weight_quantizer.spec), asdict(m.input_quantizer.spec) if hasattr(m, "input_quantizer") else None)
         if here != (rec["weight"], rec["activation"]):
             raise ValueError(
                 f"layer {fqn!r} was quantized with weight={rec['weight']}, activation={rec['activation']} in the "
@@ -508,7 +512,8 @@ class IntQAT(Callback):
 
     def _quantizer_params(self, pl_module: LightningModule) -> list[nn.Parameter]:
         layers = self._owned_layers(pl_module).values()
-        ids = {id(p) for m in layers for q in (m.input_quantizer, m.weight_quantizer) for p in q.parameters()}
+        ids = {id(p) for m in layers for q in (getattr(m, "input_quantizer", None), m.weight_quantizer) if q is not None
+               for p in q.parameters()}
         return [p for p in pl_module.parameters() if id(p) in ids and p.requires_grad]  # the model's order
 
     def _stage_value(self) -> float:

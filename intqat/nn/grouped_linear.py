@@ -68,6 +68,10 @@ class GroupWeightQuantizer(nn.Module):
         """The (N, G) scale: learned, or the weight's min-max."""
         return self.scale if self.scale is not None else self.minmax_scale(weight)
 
+    def channel_scale(self, weight: Tensor) -> Tensor:
+        """Every scale, flattened (N * G,): what the callback's finiteness check reads of any weight quantizer."""
+        return self.group_scale(weight).reshape(-1)
+
     def fake_quant(self, weight: Tensor) -> Tensor:
         """fq(W) with STE (and LSQ, n = group_size) gradients: each (row, group) is a row of the
         (N * G, group_size) view, quantized with torch's formula (the op's codes, bit for bit)."""
