@@ -43,6 +43,7 @@ CHECKPOINT_KEY = "intqat"
 STAGES = ("prepare", "freeze_bn", "freeze_observers", "integer")
 _QUANT = FAKE_QUANT_TYPES + INTEGER_TYPES
 _QUANT_KEY = ".input_quantizer.observer_enabled"  # in the state_dict of every quantized layer
+_GROUP_KEY = ".weight_quantizer.group_size_"  # ... and of every per-group one (embeddings have no input quantizer)
 When = Union[int, None, Callable[[Trainer, LightningModule], bool]]
 
 
@@ -119,8 +120,10 @@ def restore_quant_structure(module: nn.Module, checkpoint: Mapping) -> None:
 
 
 def _quantized_fqns(state_dict: Mapping, prefix: str = "") -> list[str]:
-    keys = (k for k in state_dict if k.startswith(prefix) and k.endswith(_QUANT_KEY))
-    return sorted(k[len(prefix) : -len(_QUANT_KEY)] for k in keys)
+    found = set()
+    for key in (_QUANT_KEY, _GROUP_KEY):
+        found.update(k[len(prefix) : -len(key)] for k in state_dict if k.startswith(prefix) and k.endswith(key))
+    return sorted(found)
 
 
 def _find(module: nn.Module, fqn: str) -> nn.Module | None:

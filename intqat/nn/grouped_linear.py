@@ -55,6 +55,8 @@ class GroupWeightQuantizer(nn.Module):
         self.qmax = spec.qmax if qmax is None else qmax
         self.scale_div = float(self.qmax if scale_div is None else scale_div)
         self.scale = nn.Parameter(self.minmax_scale(weight)) if spec.learnable else None
+        # in the state_dict: checkpoints show this layer is quantized (intqat.callback) and its group size
+        self.register_buffer("group_size_", torch.tensor(self.group_size), persistent=True)
 
     @property
     def narrow(self) -> bool:
@@ -219,3 +221,40 @@ class DeployedGroupedIntLinear(nn.Module):
         kind = "dynamic per-token" if self.x_dynamic else "static"
         return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
                 f"activations={kind}")
+
+
+def from_torchao_grouped(m: nn.Module) -> GroupedIntLinear:
+    """torchao FakeQuantizedLinear with per-group weights (QATConfig with IntxFakeQuantizeConfig(torch.int4,
+    group_size=g)) -> GroupedIntLinear sharing its weight and bias, keeping the group size.
+
+    weights  symmetric PerGroup(g) intN on torchao's grid (int4: codes [-8, 7], s = amax / 7.5): the same codes,
+             min-max at every step when dynamic (torchao's default); static scales become an LSQ parameter.
+    inputs   dynamic per token -> intqat's dynamic per-token symmetric int8 (torchao's per-token scheme is
+             asymmetric: the closest integer kernel without a per-row zero-point correction; see interop.py).
+    """
+    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
+
+    wfq, afq = m.weight_fake_quantizer, m.activation_fake_quantizer
+    wc = wfq.config
+    if not wc.is_symmetric:
+        raise ValueError("asymmetric per-group weights are not supported by the integer modules; "
+                         "prepare with IntxFakeQuantizeConfig(..., is_symmetric=True)")
+    if afq is None or not afq.config.is_dynamic:
+        raise ValueError("per-group weights convert with dynamic per-token activations only (8da4w); prepare with "
+                         "activation_config=IntxFakeQuantizeConfig(torch.int8, 'per_token', is_symmetric=False)")
+    qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[wc.dtype]
+    a_lo, a_hi = _DTYPE_TO_QVALUE_BOUNDS[afq.config.dtype]
+    group_size = wc.granularity.group_size
+    learn = not wc.is_dynamic
+    if learn and wfq.scale is None:
+        raise ValueError("its static weight scales were never computed: run a forward first")
+    spec = QuantSpec(bits=max(2, (qmax - qmin).bit_length()), granularity="group", group_size=group_size,
+                     learnable=learn)
+    wq = GroupWeightQuantizer(spec, m.weight, qmin=qmin, qmax=qmax, scale_div=(qmax - qmin) / 2)
+    if learn:
+        with torch.no_grad():
+            wq.scale.copy_(wfq.scale.detach().reshape(wq.scale.shape))
+    a_bits = max(2, (a_hi - a_lo).bit_length())
+    aq = ActivationQuantizer(QuantSpec(bits=a_bits, symmetric=True, granularity="token", dynamic=True))
+    dev = m.weight.device
+    return GroupedIntLinear(m.weight, m.bias, aq.to(dev), wq.to(dev))

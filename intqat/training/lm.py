@@ -89,8 +89,10 @@ class LanguageModelModule(ClassificationModule):
 def evaluate_lm(model, batches) -> dict[str, float]:
     """{"loss": mean nats per token, "ppl": exp(loss), "tokens": n} of `model` (an nn.Module or any
     callable, e.g. ExportedProgram.module()) over (x, y) batches."""
-    was_training = getattr(model, "training", None)
-    if isinstance(model, nn.Module):
+    # an exported program's module() refuses train() / eval(): it has no mode
+    module = isinstance(model, nn.Module) and not isinstance(model, torch.fx.GraphModule)
+    was_training = module and model.training
+    if module:
         model.eval()
     total, n = 0.0, 0
     for x, y in batches:
@@ -98,7 +100,7 @@ def evaluate_lm(model, batches) -> dict[str, float]:
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1),
                                        reduction="sum"))
         n += y.numel()
-    if isinstance(model, nn.Module) and was_training:
+    if was_training:
         model.train()
     if n == 0:
         raise ValueError("evaluate_lm: the batches hold no token")
