@@ -183,3 +183,37 @@ def test_errors_name_the_problem():
         int_linear_grouped(torch.randn(2, 2048), torch.randn(3, 2048), None, None, None, None, group_size=2048)
     with pytest.raises(ValueError, match="per-tensor x_scale"):
         int_linear_grouped(x, w, None, None, None, None, group_size=32, x_dynamic=False)
+
+
+# -- the Triton kernel, through the interpreter (tests/conftest.py sets TRITON_INTERPRET=1) ----------
+
+
+@pytest.mark.parametrize("M,K,N,gs", [(5, 64, 7, 32), (33, 128, 40, 64), (8, 256, 16, 128), (3, 256, 9, 256)])
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_triton_grouped_kernel_matches_cpu(M, K, N, gs, dynamic):
+    kernels = pytest.importorskip("intqat.kernels")
+    _, _, b, q_x, s_x, q_w, s_w = _codes(M, K, N, gs, dynamic=dynamic)
+    z = torch.tensor([0 if dynamic else 5], dtype=torch.int32)
+    sums = kernels.int_linear_grouped_sums(q_x, q_w, s_w, z)
+    assert torch.equal(sums, group_sums(q_x, q_w, K // gs, None if dynamic else z).to(torch.int32))  # exact
+    y = kernels.int_linear_grouped_forward(q_x, q_w, s_x.reshape(-1), z, s_w, b)
+    ref = grouped_reference(q_x, q_w, s_w, None if dynamic else z, s_x, b)
+    # the interpreter rounds every step as the CPU does; a GPU's FMA may move y by an ulp per step
+    torch.testing.assert_close(y, ref, rtol=2.0**-22, atol=0)
+    assert torch.equal(y, ref)
+
+
+def test_triton_backend_runs_the_op(monkeypatch):
+    pytest.importorskip("intqat.kernels")
+    x, w, b, *_ = _codes(6, 128, 12, 32)
+    expected = int_linear_grouped(x, w, b, None, None, None, group_size=32)
+    monkeypatch.setenv("INTQAT_BACKEND", "triton")
+    assert torch.equal(int_linear_grouped(x, w, b, None, None, None, group_size=32), expected)
+
+
+def test_triton_kernel_refuses_odd_group_size():
+    kernels = pytest.importorskip("intqat.kernels")
+    q = torch.zeros(2, 48, dtype=torch.int8)
+    with pytest.raises(ValueError, match="power-of-two group size >= 16, got 24"):
+        kernels.int_linear_grouped_forward(q, q, torch.ones(1), torch.zeros(1, dtype=torch.int32),
+                                           torch.ones(2, 2), None)
