@@ -241,8 +241,8 @@ class LMQuantReport(L.Callback):
         for name in ("fp32", "ptq", "qat", "fp32_at_fork", "ptq_at_fork"):
             v, t = res[f"val/{name}"], res[f"test/{name}"]
             lines.append(f"| {name} | {v['loss']:.4f} | {v['ppl']:.4f} | {t['loss']:.4f} | {t['ppl']:.4f} |")
-        lines += ["", f"Share of the PTQ perplexity degradation QAT recovers: val {res['val/recovered']:.1%}, "
-                      f"test {res['test/recovered']:.1%}."]
+        lines += ["", f"Share of the PTQ perplexity degradation QAT recovers: val {_share(res, 'val')}, "
+                      f"test {_share(res, 'test')}."]
         if "export" in res:
             e = res["export"]
             lines += ["", f"Exported program ({e['split']}): ppl {e['program_ppl']:.4f} vs integer model "
@@ -252,13 +252,20 @@ class LMQuantReport(L.Callback):
         v = lambda k: res[f"val/{k}"]["ppl"]  # noqa: E731
         self.report_rows = {
             "val ppl fp32 / PTQ / QAT": f"{v('fp32'):.4f} / {v('ptq'):.4f} / {v('qat'):.4f}",
-            "PTQ degradation QAT recovers": f"val {res['val/recovered']:.1%}, test {res['test/recovered']:.1%}",
+            "PTQ degradation QAT recovers": f"val {_share(res, 'val')}, test {_share(res, 'test')}",
             "LM report": str(out / "lm_report.md"),
         }
         if "export" in res:
             self.report_rows["exported program ppl"] = (f"{res['export']['program_ppl']:.4f} "
                                                         f"({res['export']['ppl_rel_diff']:+.3%} vs integer model)")
         print("\n" + "\n".join(lines))
+
+
+def _share(res: dict[str, Any], split: str) -> str:
+    r = res[f"{split}/recovered"]
+    if math.isnan(r):  # PTQ was no worse than fp32: the ratio has no meaning
+        return "n/a (post-training quantization did not raise the perplexity)"
+    return f"{r:.1%}"
 
 
 _LOAD_CHECK = """
