@@ -217,3 +217,15 @@ def test_triton_kernel_refuses_odd_group_size():
     with pytest.raises(ValueError, match="power-of-two group size >= 16, got 24"):
         kernels.int_linear_grouped_forward(q, q, torch.ones(1), torch.zeros(1, dtype=torch.int32),
                                            torch.ones(2, 2), None)
+
+
+@pytest.mark.skipif(_library() is None, reason="no C compiler: the C kernel cannot be built here")
+@pytest.mark.parametrize("M,K,N,gs", [(5, 64, 70, 32), (33, 96, 40, 32), (64, 512, 130, 128), (3, 60, 5, 20)])
+def test_fp32_kernel_for_cpus_without_int8_dot_products_equals_reference(M, K, N, gs, monkeypatch):
+    import intqat.ops.int_linear_grouped as grouped
+
+    monkeypatch.setattr(grouped, "_FORCE_F32", True)
+    for dynamic in (True, False):
+        _, _, b, q_x, s_x, q_w, s_w = _codes(M, K, N, gs, dynamic=dynamic)
+        z = None if dynamic else torch.tensor([5], dtype=torch.int32)
+        assert torch.equal(grouped_integer_linear(q_x, q_w, s_w, z, s_x, b), grouped_reference(q_x, q_w, s_w, z, s_x, b))

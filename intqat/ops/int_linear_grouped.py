@@ -170,6 +170,10 @@ _SIGNATURES = {
                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int64],
+    # q_x, M, K, ldx, wt, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
+    "intqat_grouped_linear_f32": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
     # q_x, M, K, ldx, q_w, ldw, s_w, N, gs, z, s_x, sx_stride, bias, y, ldy
     "intqat_grouped_linear_plain": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
@@ -206,6 +210,9 @@ def _eager_ok(*tensors: Tensor | None) -> bool:
     return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
 
 
+_FORCE_F32 = False  # tests set it to run the fp32 kernel (the path of CPUs without VNNI) here too
+
+
 def _kernel_ok(*tensors: Tensor | None) -> bool:
     return cpu_kernels.usable(*tensors) and _library() is not None
 
@@ -223,7 +230,7 @@ def _grouped_c(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias:
     if M == 0 or N == 0:
         return y
     bias_ptr = None if bias is None else bias.data_ptr()
-    if lib.intqat_grouped_has_vnni() and gs % 4 == 0:
+    if lib.intqat_grouped_has_vnni() and gs % 4 == 0 and not _FORCE_F32:
         Np = -(-N // 32) * 32
         bp = torch.empty(Np * K, dtype=torch.int8)
         cs = torch.empty(G, Np, dtype=torch.int32)
@@ -232,10 +239,14 @@ def _grouped_c(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias:
         swt[:, :N] = s_w.detach().t()
         lib.intqat_grouped_linear_vnni(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np,
                                        gs, z, s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
-    else:
-        s_w = s_w.detach().to(torch.float32).contiguous()
-        lib.intqat_grouped_linear_plain(q_x.data_ptr(), M, K, K, q_w.data_ptr(), K, s_w.data_ptr(), N, gs, z,
-                                        s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
+    else:  # no int8 dot products: exact fp32 multiply-adds of the codes (kernels/cpu/grouped_linear.c)
+        Np = -(-N // 64) * 64
+        wt = torch.zeros(K, Np, dtype=torch.float32)
+        wt[:, :N] = q_w.t()
+        swt = torch.zeros(G, Np, dtype=torch.float32)
+        swt[:, :N] = s_w.detach().t()
+        lib.intqat_grouped_linear_f32(q_x.data_ptr(), M, K, K, wt.data_ptr(), swt.data_ptr(), N, Np, gs, z,
+                                      s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
     return y
 
 

@@ -139,7 +139,66 @@ void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t
 #endif
 }
 
-/* The same numbers without VNNI, straight from q_x (M, K) and q_w (N, K), s_w (N, G) row-major. */
+/* Without int8 dot products: the codes as fp32 and fp32 multiply-adds. Each product is an integer of
+ * magnitude <= 2^14 and each group's partial sum one of magnitude <= gs * 2^14 <= 2^24, so every fp32
+ * operation is exact and acc equals the int32 group sum (NUMERICS.md, last section).
+ * wt (K, Np) fp32: q_w transposed, padded with zero columns; swt (G, Np) as above. Tiles of 4 rows x 64
+ * columns with literal bounds, so the compiler keeps them in vector registers. */
+#define NF 64
+static inline __attribute__((always_inline)) void tile_f32(const int mr, const int8_t *qx, int64_t ldx,
+                                                           const float *wt, int64_t Np, int64_t K, int64_t gs,
+                                                           const float *swt, int32_t z, const float *sx,
+                                                           int64_t sx_stride, const float *bias, float *y,
+                                                           int64_t ldy, int64_t ncols) {
+    float t[4][NF], acc[4][NF];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < NF; j++) t[r][j] = 0.0f;
+    const int64_t G = K / gs;
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < NF; j++) acc[r][j] = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            const float *w = wt + k * Np;
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const float xv = (float)((int32_t)qx[r * ldx + k] - z);
+                for (int j = 0; j < NF; j++) acc[r][j] = acc[r][j] + xv * w[j];
+            }
+        }
+        const float *s = swt + g * Np;
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NF; j++) t[r][j] = t[r][j] + acc[r][j] * s[j];
+    }
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < ncols; j++) {
+            float v = t[r][j] * sx[r * sx_stride];
+            y[r * ldy + j] = bias ? v + bias[j] : v;
+        }
+}
+
+void intqat_grouped_linear_f32(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const float *wt,
+                               const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z, const float *s_x,
+                               int64_t sx_stride, const float *bias, float *y, int64_t ldy) {
+    const int64_t MB = (M + 3) / 4, NBLK = Np / NF;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t j = 0; j < NBLK; j++)
+        for (int64_t i = 0; i < MB; i++) {
+            int64_t m0 = i * 4, n0 = j * NF;
+            int mr = (int)(M - m0 < 4 ? M - m0 : 4);
+            int64_t ncols = N - n0 < NF ? N - n0 : NF;
+#define TILE(MR) tile_f32(MR, q_x + m0 * ldx, ldx, wt + n0, Np, K, gs, swt + n0, z, s_x + m0 * sx_stride, sx_stride, \
+                          bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, ncols)
+            switch (mr) {
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
+            }
+#undef TILE
+        }
+}
+
+/* The same numbers, straight from q_x (M, K) and q_w (N, K), s_w (N, G) row-major (reference-grade speed). */
 void intqat_grouped_linear_plain(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *q_w,
                                  int64_t ldw, const float *s_w, int64_t N, int64_t gs, int32_t z, const float *s_x,
                                  int64_t sx_stride, const float *bias, float *y, int64_t ldy) {
