@@ -18,7 +18,8 @@ grad_s_w[n, g] = sum_{k in g} grad_w_hat[n, k] * d w_hat / d s * 1/sqrt(group_si
 
 Where the forward runs:
 - eager CPU with the C library (kernels/cpu/grouped_linear.c): one pass, the group sums stay in
-  registers (AVX512-VNNI; a plain C loop elsewhere), same bits as the reference below;
+  registers (AVX512-VNNI; on CPUs without it, exact fp32 multiply-adds of the codes), same bits as
+  the reference below;
 - otherwise (traced by torch.export / torch.compile, no compiler): the reference in portable aten
   ops: one batched fp32 GEMM of the codes, exact because every partial sum is an integer of
   magnitude <= group_size * 2^14 <= 2^24 (NUMERICS.md, last section), then the sum over groups as
