@@ -95,6 +95,10 @@ def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, skippe
             continue
         if type(child) is nn.Linear and wanted:
             grouped = cfg.weight.granularity == "group"  # per-group weights: intqat.nn.grouped_linear
+            if grouped and child.in_features % cfg.weight.group_size:
+                skipped.append(f"{fqn} (in_features {child.in_features} is not a multiple of group_size "
+                               f"{cfg.weight.group_size})")
+                continue
             parent._modules[name] = (FakeQuantGroupedLinear if grouped else FakeQuantLinear).from_linear(child, cfg)
         elif type(child) is nn.Embedding and wanted and cfg.embedding is not None:
             try:

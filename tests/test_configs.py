@@ -157,7 +157,7 @@ def test_typo_key_lists_valid_keys():
     r = _cli("trainer.max_epoch=1", "model=mlpp")
     assert r.returncode != 0
     assert "no key 'max_epoch' at 'trainer'" in r.stderr and "max_epochs" in r.stderr
-    assert "'model' is a config group; its options are: cifar10_cnn, cnn, mlp" in r.stderr
+    assert "'model' is a config group; its options are: cifar10_cnn, cnn, gpt, mlp" in r.stderr
 
 
 def test_fp32_run_writes_everything(tmp_path):

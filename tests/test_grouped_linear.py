@@ -189,3 +189,10 @@ def test_checkpoint_record_restores_grouped_and_embedding_layers():
     idx = torch.randint(0, 48, (2, 5))
     with torch.no_grad():
         assert torch.equal(fresh.eval()(idx), m.eval()(idx))
+
+
+def test_layer_whose_width_the_group_does_not_divide_stays_float_and_is_named():
+    m = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    with pytest.warns(UserWarning, match=r"0 \(in_features 64 is not a multiple of group_size 128\)"):
+        intqat.prepare_qat(m, "w8a8_g128")
+    assert type(m[0]) is nn.Linear and type(m[1]) is nn.Linear

@@ -7,6 +7,8 @@ tolerances; LSQ per-group scale gradients against torch's learnable fake quant.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -222,7 +224,7 @@ def test_triton_kernel_refuses_odd_group_size():
 @pytest.mark.skipif(_library() is None, reason="no C compiler: the C kernel cannot be built here")
 @pytest.mark.parametrize("M,K,N,gs", [(5, 64, 70, 32), (33, 96, 40, 32), (64, 512, 130, 128), (3, 60, 5, 20)])
 def test_fp32_kernel_for_cpus_without_int8_dot_products_equals_reference(M, K, N, gs, monkeypatch):
-    import intqat.ops.int_linear_grouped as grouped
+    grouped = importlib.import_module("intqat.ops.int_linear_grouped")  # the module (intqat.ops exports the function)
 
     monkeypatch.setattr(grouped, "_FORCE_F32", True)
     for dynamic in (True, False):
