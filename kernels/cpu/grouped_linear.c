@@ -162,7 +162,8 @@ static inline __attribute__((always_inline)) void tile_f32(const int mr, const i
 #pragma GCC unroll 4
             for (int r = 0; r < mr; r++) {
                 const float xv = (float)((int32_t)qx[r * ldx + k] - z);
-                for (int j = 0; j < NF; j++) acc[r][j] = acc[r][j] + xv * w[j];
+                /* an FMA rounds nothing here: product and sum are integers below 2^24 */
+                for (int j = 0; j < NF; j++) acc[r][j] = __builtin_fmaf(xv, w[j], acc[r][j]);
             }
         }
         const float *s = swt + g * Np;
