@@ -10,8 +10,9 @@
  *
  * With AVX512-VNNI, VPDPBUSD multiplies unsigned by signed bytes: the activation codes go in as
  * q_x + 128 (an xor with 0x80), and the kernel subtracts (128 + z_x) * colsum_g(q_w)[n] from each
- * group's sum, which gives the same exact integer. Without VNNI a plain C loop computes the same
- * numbers (the compiler vectorizes the int8 dot products as it can).
+ * group's sum, which gives the same exact integer. Without VNNI, intqat_grouped_linear_f32 multiplies
+ * the codes as fp32 (exact: every product and partial sum is an integer below 2^24), same numbers;
+ * intqat_grouped_linear_plain is the scalar reference loop.
  */
 #include <stdint.h>
 #include <string.h>
