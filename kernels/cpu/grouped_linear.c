@@ -11,8 +11,7 @@
  * With AVX512-VNNI, VPDPBUSD multiplies unsigned by signed bytes: the activation codes go in as
  * q_x + 128 (an xor with 0x80), and the kernel subtracts (128 + z_x) * colsum_g(q_w)[n] from each
  * group's sum, which gives the same exact integer. Without VNNI, intqat_grouped_linear_f32 multiplies
- * the codes as fp32 (exact: every product and partial sum is an integer below 2^24), same numbers;
- * intqat_grouped_linear_plain is the scalar reference loop.
+ * the codes as fp32 (exact: every product and partial sum is an integer below 2^24), same numbers.
  */
 #include <stdint.h>
 #include <string.h>
@@ -197,25 +196,5 @@ void intqat_grouped_linear_f32(const int8_t *q_x, int64_t M, int64_t K, int64_t 
             default: TILE(1); break;
             }
 #undef TILE
-        }
-}
-
-/* The same numbers, straight from q_x (M, K) and q_w (N, K), s_w (N, G) row-major (reference-grade speed). */
-void intqat_grouped_linear_plain(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *q_w,
-                                 int64_t ldw, const float *s_w, int64_t N, int64_t gs, int32_t z, const float *s_x,
-                                 int64_t sx_stride, const float *bias, float *y, int64_t ldy) {
-    const int64_t G = K / gs;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t n = 0; n < N; n++) {
-            const int8_t *xr = q_x + m * ldx, *wr = q_w + n * ldw;
-            float t = 0.0f;
-            for (int64_t g = 0; g < G; g++) {
-                int32_t acc = 0;
-                for (int64_t k = g * gs; k < (g + 1) * gs; k++) acc += ((int32_t)xr[k] - z) * (int32_t)wr[k];
-                t = t + (float)acc * s_w[n * G + g];
-            }
-            float v = t * s_x[m * sx_stride];
-            y[m * ldy + n] = bias ? v + bias[n] : v;
         }
 }
