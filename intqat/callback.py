@@ -429,7 +429,8 @@ class IntQAT(Callback):
 
     def _quantizer_params(self, pl_module: LightningModule) -> list[nn.Parameter]:
         layers = self._owned_layers(pl_module).values()
-        ids = {id(p) for m in layers for q in (m.input_quantizer, m.weight_quantizer) for p in q.parameters()}
+        ids = {id(p) for m in layers for q in (getattr(m, "input_quantizer", None), m.weight_quantizer) if q is not None
+               for p in q.parameters()}
         return [p for p in pl_module.parameters() if id(p) in ids and p.requires_grad]  # the model's order
 
     def _stage_value(self) -> float:

@@ -45,6 +45,7 @@ CHECKPOINT_KEY = "intqat"
 FORMAT = 2
 INSTANTIATOR = "intqat.checkpoint.instantiate_module"
 _QUANT_KEY = ".input_quantizer.observer_enabled"  # in the state_dict of every quantized layer
+_GROUP_KEY = ".weight_quantizer.group_size_"  # ... and of every per-group one (embeddings have no input quantizer)
 _SAVING = "lightning.pytorch.core.saving"
 
 
@@ -69,8 +70,9 @@ def layer_record(m: nn.Module) -> dict[str, Any]:
         if f.name == "weight":
             rec[f.name] = asdict(m.weight_quantizer.spec)
         elif f.name == "activation":
-            rec[f.name] = asdict(m.input_quantizer.spec)
-        elif hasattr(m, f.name):
+            # embeddings (intqat.nn.embedding) have no input quantizer: None marks an embedding's record
+            rec[f.name] = asdict(m.input_quantizer.spec) if hasattr(m, "input_quantizer") else None
+        elif f.name != "embedding" and hasattr(m, f.name):
             rec[f.name] = getattr(m, f.name)
     return rec
 
@@ -84,6 +86,8 @@ def _config_of(fqn: str, rec: Mapping) -> QuantConfig:
             f"checkpoint layer {fqn!r} records QuantConfig field(s) {unknown} this intqat does not know "
             f"(it knows {', '.join(valid)}): load it with the intqat release that saved it, or a newer one"
         )
+    if kw.get("activation", {}) is None:  # an embedding: its weight spec is the config's embedding spec
+        return QuantConfig(embedding=kw["weight"])
     return QuantConfig(**kw)
 
 
@@ -217,8 +221,10 @@ def _restore(module: nn.Module, record: Mapping) -> None:
 
 
 def _quantized_fqns(state_dict: Mapping, prefix: str = "") -> list[str]:
-    keys = (k for k in state_dict if k.startswith(prefix) and k.endswith(_QUANT_KEY))
-    return sorted(k[len(prefix) : -len(_QUANT_KEY)] for k in keys)
+    found = set()
+    for key in (_QUANT_KEY, _GROUP_KEY):
+        found.update(k[len(prefix) : -len(key)] for k in state_dict if k.startswith(prefix) and k.endswith(key))
+    return sorted(found)
 
 
 def _find(module: nn.Module, fqn: str) -> nn.Module | None:

@@ -97,14 +97,20 @@ class QuantConfig:
     # CPUs grad_w, on the int8 units, the gradient split into three int8 digits;
     # intqat.ops.digit_gemm) or "fp32".
     grad_gemm: str = "int8x3"
+    # nn.Embedding weights: None keeps embeddings float; a symmetric weight spec (per channel, or per
+    # group along the embedding dim) quantizes them. A lm_head tied to the embedding shares its codes
+    # when both specs agree.
+    embedding: QuantSpec | None = None
 
     def __post_init__(self):
         try:
             check_grad_gemm(self.grad_gemm)
         except ValueError as e:
             raise ValueError(f"QuantConfig({e})") from None
-        for name in ("weight", "activation"):
+        for name in ("weight", "activation", "embedding"):
             value = getattr(self, name)
+            if name == "embedding" and value is None:
+                continue
             if hasattr(value, "items"):
                 object.__setattr__(self, name, _spec_from_dict(dict(value.items()), name))
             elif not isinstance(value, QuantSpec):
@@ -118,12 +124,15 @@ class QuantConfig:
                 "QuantConfig: weights must be symmetric for the integer kernels; use "
                 "weight=QuantSpec(symmetric=True, ...)"
             )
-        if w.granularity not in ("tensor", "channel"):
+        if w.granularity not in ("tensor", "channel", "group"):
             raise ValueError(
                 f"QuantConfig: weight granularity {w.granularity!r} is not supported by the integer "
-                "modules (one int32 accumulator per output needs one weight scale per output channel); "
-                "use weight=QuantSpec(granularity='channel')"
+                "modules; use weight=QuantSpec(granularity='channel') or granularity='group' with a group_size"
             )
+        e = self.embedding
+        if e is not None and (not e.symmetric or e.granularity not in ("channel", "group") or e.dynamic or e.learnable):
+            raise ValueError("QuantConfig: embedding weights are symmetric, per channel or per group, not learned "
+                             "or dynamic; e.g. embedding=QuantSpec(bits=4, granularity='group', group_size=32)")
         if w.dynamic:
             raise ValueError("QuantConfig: weights are never dynamic; drop dynamic=True from the weight spec")
         if a.granularity not in ("tensor", "token"):
@@ -165,6 +174,18 @@ PRESETS: dict[str, QuantConfig] = {
         weight=QuantSpec(bits=8, symmetric=True, granularity="channel", learnable=True),
         activation=QuantSpec(bits=8, symmetric=False, granularity="tensor", learnable=True),
     ),
+    # LLM-style "8da4w" (ExecuTorch XNNPACK, torchao QAT): int8 per-token dynamic activations, int4
+    # symmetric weights with one scale per group of 32 input features (the group size is a knob:
+    # {"preset": "8da4w", "weight": {"group_size": 128}})
+    "8da4w": QuantConfig(
+        weight=QuantSpec(bits=4, symmetric=True, granularity="group", group_size=32),
+        activation=QuantSpec(bits=8, symmetric=True, granularity="token", dynamic=True),
+    ),
+    # int8 weights with one scale per group of 128 input features, per-token dynamic int8 activations
+    "w8a8_g128": QuantConfig(
+        weight=QuantSpec(bits=8, symmetric=True, granularity="group", group_size=128),
+        activation=QuantSpec(bits=8, symmetric=True, granularity="token", dynamic=True),
+    ),
 }
 
 
@@ -173,6 +194,8 @@ def _spec_from_dict(d: dict, what: str, base: QuantSpec | None = None) -> QuantS
     unknown = sorted(set(d) - set(valid))
     if unknown:
         raise ValueError(f"unknown {what} QuantSpec field(s) {unknown}; valid fields: {', '.join(valid)}")
+    if base is not None and d.get("granularity", "group") != "group" and "group_size" not in d:
+        d = {**d, "group_size": None}  # {"granularity": "channel"} over a per-group preset
     return replace(base, **d) if base is not None else QuantSpec(**d)
 
 
@@ -192,8 +215,13 @@ def resolve_config(config: QuantConfig | str | dict | None) -> QuantConfig:
         w = dict((d.pop("weight", None) or {}).items())
         a = dict((d.pop("activation", None) or {}).items())
         grad_gemm = d.pop("grad_gemm", base.grad_gemm)
+        e = d.pop("embedding", base.embedding)
+        if e is not None and not isinstance(e, QuantSpec):  # a dict: fields over the weight spec's defaults
+            e = _spec_from_dict(dict(e.items()), "embedding", base.embedding or QuantSpec(granularity="channel"))
         if d:
-            raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation, grad_gemm")
+            raise ValueError(f"unknown QuantConfig keys {sorted(d)}; valid: preset, weight, activation, grad_gemm, "
+                             "embedding")
         return QuantConfig(weight=_spec_from_dict(w, "weight", base.weight),
-                           activation=_spec_from_dict(a, "activation", base.activation), grad_gemm=grad_gemm)
+                           activation=_spec_from_dict(a, "activation", base.activation), grad_gemm=grad_gemm,
+                           embedding=e)
     raise TypeError(f"expected a QuantConfig, a preset name or a dict, got {type(config).__name__}")

@@ -23,9 +23,13 @@ from intqat.nn import (
     INTEGER_TYPES,
     ActivationQuantizer,
     FakeQuantConv2d,
+    FakeQuantEmbedding,
+    FakeQuantGroupedLinear,
     FakeQuantLinear,
     FakeQuantMultiheadAttention,
+    GroupedIntLinear,
     IntConv2d,
+    IntEmbedding,
     IntLinear,
     IntMultiheadAttention,
 )
@@ -127,8 +131,19 @@ def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, reason
             continue
         if type(child) is nn.MultiheadAttention:
             parent._modules[name] = FakeQuantMultiheadAttention.from_mha(child, cfg)
+        elif type(child) is nn.Linear and cfg.weight.granularity == "group":  # per-group weights: grouped_linear.py
+            if child.in_features % cfg.weight.group_size:
+                reasons[fqn] = (f"in_features {child.in_features} is not a multiple of group_size "
+                                f"{cfg.weight.group_size}")
+                continue
+            parent._modules[name] = FakeQuantGroupedLinear.from_linear(child, cfg)
         elif type(child) is nn.Linear or is_hf_conv1d(child):
             parent._modules[name] = FakeQuantLinear.from_linear(child, cfg)
+        elif type(child) is nn.Embedding and cfg.embedding is not None:
+            try:
+                parent._modules[name] = FakeQuantEmbedding.from_embedding(child, cfg)
+            except ValueError as e:
+                reasons[fqn] = str(e)
         elif type(child) is nn.Conv2d:
             if conv_padding(child) is None:
                 reasons[fqn] = f"padding {child.padding!r}, mode {child.padding_mode!r}: no symmetric zero padding"
@@ -265,7 +280,8 @@ def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, reasons: dict[st
         wanted = filter_fn is None or filter_fn(child, fqn)
         if isinstance(child, INTEGER_TYPES + DEPLOYED_TYPES + (IntMultiheadAttention,)):
             continue
-        swap = {FakeQuantLinear: IntLinear, FakeQuantConv2d: IntConv2d, FakeQuantMultiheadAttention: IntMultiheadAttention}
+        swap = {FakeQuantLinear: IntLinear, FakeQuantConv2d: IntConv2d, FakeQuantMultiheadAttention: IntMultiheadAttention,
+                FakeQuantGroupedLinear: GroupedIntLinear, FakeQuantEmbedding: IntEmbedding}
         kind = next((k for k in swap if isinstance(child, k)), None)
         if kind is not None:
             if wanted:

@@ -120,11 +120,9 @@ def from_torchao_linear(m: nn.Module) -> IntLinear:
         raise ValueError("its weights are not fake-quantized")
     wc = wfq.config
     if isinstance(wc.granularity, PerGroup) and wc.granularity.group_size != m.in_features:
-        raise ValueError(
-            f"per-group weights (group_size={wc.granularity.group_size}) are not supported by the integer modules: "
-            "one int32 accumulator per output takes one weight scale per output channel; prepare with "
-            "IntxFakeQuantizeConfig(..., granularity='per_channel')"
-        )
+        from intqat.nn.grouped_linear import from_torchao_grouped  # per-group weights: GroupedIntLinear
+
+        return from_torchao_grouped(m)
     if not wc.is_symmetric:
         raise ValueError("asymmetric weights are not supported by the integer modules (the int32 epilogue corrects "
                          "only the activation zero point); prepare with is_symmetric=True")

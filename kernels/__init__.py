@@ -8,12 +8,15 @@ custom ops with the same schema instead (int_gemm.kernel_op).
 """
 
 from intqat.kernels.int_gemm import int_linear_accumulator, int_linear_forward, int_mm
+from intqat.kernels.int_gemm_grouped import int_linear_grouped_forward, int_linear_grouped_sums
 from intqat.kernels.ste_backward import ste_grad_input, ste_grad_weight
 
 __all__ = [
     "int_mm",
     "int_linear_accumulator",
     "int_linear_forward",
+    "int_linear_grouped_forward",
+    "int_linear_grouped_sums",
     "ste_grad_input",
     "ste_grad_weight",
 ]

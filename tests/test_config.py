@@ -16,7 +16,7 @@ import intqat
 from intqat import PRESETS, QuantConfig, QuantSpec, resolve_config
 from intqat.nn import FakeQuantConv2d, FakeQuantLinear, IntLinear
 
-PRESET_NAMES = ("w8a8", "w8a8_dynamic", "w4a8", "w8a8_lsq")
+PRESET_NAMES = ("w8a8", "w8a8_dynamic", "w4a8", "w8a8_lsq", "8da4w", "w8a8_g128")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def test_config_asymmetric_weights_rejected():
         QuantConfig(weight=QuantSpec(symmetric=False, granularity="channel"))
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(granularity="token"), QuantSpec(granularity="group", group_size=32)])
+@pytest.mark.parametrize("spec", [QuantSpec(granularity="token")])  # per-group weights: test_grouped_linear.py
 def test_config_weight_granularity_unsupported(spec):
     with pytest.raises(ValueError, match=r"use weight=QuantSpec\(granularity='channel'\)"):
         QuantConfig(weight=spec)
@@ -192,8 +192,8 @@ def test_preset_resolves_by_name_everywhere(name):
     cfg = QuantConfig.from_preset(name)
     assert isinstance(cfg, QuantConfig)
     assert resolve_config(name) == cfg == PRESETS[name]
-    # every preset satisfies the integer-kernel rules: symmetric per-channel weights
-    assert cfg.weight.symmetric and cfg.weight.granularity == "channel" and not cfg.weight.dynamic
+    # every preset satisfies the integer-kernel rules: symmetric per-channel or per-group weights
+    assert cfg.weight.symmetric and cfg.weight.granularity in ("channel", "group") and not cfg.weight.dynamic
 
 
 def test_preset_w8a8_meaning():

@@ -79,7 +79,10 @@ def test_group_option_instantiates(group, option, tmp_path, cifar_dir):
         overrides.append(f"data.data_dir={cifar_dir}")
     cfg = _compose_train(overrides)
     node = cfg[group]
-    if group == "model":
+    if group == "model" and node._target_ == "intqat.models.GPT":  # tokens in, per-token logits out
+        logits = instantiate(node)(torch.randint(0, node.vocab_size, (2, 16)))
+        assert logits.shape == (2, 16, node.vocab_size)
+    elif group == "model":
         model = instantiate(node)
         logits, features = model(x=_input_for(node), return_features=True)  # keyword forward
         assert logits.shape == (2, node.num_classes) and features.shape[0] == 2
@@ -87,7 +90,10 @@ def test_group_option_instantiates(group, option, tmp_path, cifar_dir):
         dm = instantiate(node)
         dm.setup("fit")
         x, y = next(iter(dm.train_dataloader()))
-        assert x.dtype == torch.float32 and y.dtype == torch.int64 and x.shape[1:] == dm.dims
+        if hasattr(dm, "vocab_size"):  # text: byte windows, y = x shifted by one
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape and torch.equal(x[:, 1:], y[:, :-1])
+        else:
+            assert x.dtype == torch.float32 and y.dtype == torch.int64 and x.shape[1:] == dm.dims
     elif group == "quant":
         if "_target_" not in node:
             assert option == "none"
@@ -130,7 +136,7 @@ def test_recipe_composes_and_instantiates(recipe, tmp_path, cifar_dir):
     assert trainer.max_epochs == cfg.trainer.max_epochs
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))
-    assert module(x).shape == (len(y), 10)
+    assert module(x).shape == ((len(y), 10) if y.dim() == 1 else (*y.shape, cfg.module.num_classes))
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -151,7 +157,7 @@ def test_typo_key_lists_valid_keys():
     r = _cli("trainer.max_epoch=1", "model=mlpp")
     assert r.returncode != 0
     assert "no key 'max_epoch' at 'trainer'" in r.stderr and "max_epochs" in r.stderr
-    assert "'model' is a config group; its options are: cifar10_cnn, cnn, mlp" in r.stderr
+    assert "'model' is a config group; its options are: cifar10_cnn, cnn, gpt, mlp" in r.stderr
 
 
 def test_fp32_run_writes_everything(tmp_path):

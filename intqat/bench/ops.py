@@ -24,6 +24,7 @@ from intqat.config import PRESETS
 from intqat.nn import FakeQuantLinear, IntLinear
 from intqat.nn.quantizers import WeightQuantizer
 from intqat.ops import backends, choose_qparams, int_linear, int_mm
+from intqat.ops.int_linear_grouped import int_linear_grouped
 
 __all__ = ["run_ops", "OpsSettings", "linear_candidates"]
 
@@ -52,6 +53,8 @@ def no_dot_backend() -> str:
     return "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
 ANCHOR_LINEAR = "nn.Linear fp32"
 MEM_ANCHOR = "torchao FakeQuantizedLinear"
+INTQAT_8DA4W = "intqat int_linear_grouped 8da4w (g32)"
+TORCHAO_8DA4W = "torchao FakeQuantizedLinear 8da4w (g32)"
 
 
 @dataclass
@@ -142,6 +145,20 @@ def linear_candidates(M: int, K: int, N: int, seed: int = 0) -> tuple[dict[str, 
             missing[name] = str(e)
             continue
         cands[name] = LinearCandidate(name, layer, list(layer.parameters()))
+    # 8da4w: int8 per-token dynamic activations, int4 weights per group of 32 (intqat.ops.int_linear_grouped)
+    lin = fresh()
+    cands[INTQAT_8DA4W] = LinearCandidate(INTQAT_8DA4W, lambda xx, lin=lin: int_linear_grouped(
+        xx, lin.weight, lin.bias, None, None, None, group_size=32), list(lin.parameters()))
+    try:
+        tq, qat = peers._torchao()
+        holder = nn.Sequential(fresh())
+        tq.quantize_(holder, qat.QATConfig(activation_config=qat.IntxFakeQuantizeConfig(torch.int8, "per_token",
+                                                                                        is_symmetric=False),
+                                           weight_config=qat.IntxFakeQuantizeConfig(torch.int4, group_size=32),
+                                           step="prepare"))
+        cands[TORCHAO_8DA4W] = LinearCandidate(TORCHAO_8DA4W, holder[0].train(), list(holder[0].parameters()))
+    except peers.Unavailable as e:
+        missing[TORCHAO_8DA4W] = str(e)
     return cands, missing, x
 
 
@@ -237,7 +254,7 @@ def run_ops(s: OpsSettings = OpsSettings(), info: dict | None = None) -> Table:
     order = [ANCHOR_LINEAR, "intqat int_linear static w8a8", "intqat int_linear static, grad_gemm=fp32",
              "intqat int_linear dynamic per-token", f"intqat int_linear static w8a8 {NO_DOT}",
              "intqat IntLinear w8a8", f"intqat IntLinear w8a8 {NO_DOT}", "intqat FakeQuantLinear w8a8", MEM_ANCHOR,
-             "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86"]
+             "torchao int8 mixed-precision", "torch.ao.nn.qat.Linear x86", INTQAT_8DA4W, TORCHAO_8DA4W]
     marks = {}
     for n in order:
         label = n + (" [anchor]" if n == ANCHOR_LINEAR else "")

@@ -231,6 +231,8 @@ def train(cfg, recipe: str, argv: list[str]) -> dict:
         "wall time": f"{wall:.1f} s (fit {fit_seconds:.1f} s)",
         "devices": f"{trainer.num_devices} x {trainer.strategy.root_device.type} ({type(trainer.strategy).__name__})",
     }
+    for cb in callbacks:  # figures a callback computed (e.g. LMQuantReport's perplexities)
+        rows.update(getattr(cb, "report_rows", None) or {})
     if best:
         rows["best checkpoint"] = best
     if last:

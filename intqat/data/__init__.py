@@ -1,6 +1,7 @@
-"""LightningDataModules for the recipes: digits (inside scikit-learn) and CIFAR-10 (local files)."""
+"""LightningDataModules for the recipes: digits (inside scikit-learn), CIFAR-10 (local files), stdlib text."""
 
 from intqat.data.cifar10 import Cifar10DataModule
 from intqat.data.digits import DigitsDataModule
+from intqat.data.text import StdlibTextDataModule
 
-__all__ = ["DigitsDataModule", "Cifar10DataModule"]
+__all__ = ["DigitsDataModule", "Cifar10DataModule", "StdlibTextDataModule"]

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from intqat.nn import FakeQuantConv2d, FakeQuantLinear, IntLinear
+from intqat.nn import (FakeQuantConv2d, FakeQuantEmbedding, FakeQuantGroupedLinear, FakeQuantLinear, GroupedIntLinear,
+                       IntEmbedding, IntLinear)
 from intqat.ops.quant import quantize_with_mask
 
 __all__ = ["LayerMonitor", "QuantErrorMetric", "float_reference", "layer_error_sums", "non_finite_scales"]
@@ -51,8 +52,10 @@ class QuantErrorMetric(Metric):
 
 def float_reference(module: nn.Module, x: Tensor) -> Tensor:
     """What `module` computes without quantization, on the branch (BN folded or live) it took."""
-    if isinstance(module, (FakeQuantLinear, IntLinear)):
+    if isinstance(module, (FakeQuantLinear, IntLinear, FakeQuantGroupedLinear, GroupedIntLinear)):
         return F.linear(x, module.weight, module.bias)
+    if isinstance(module, (FakeQuantEmbedding, IntEmbedding)):  # x: the token ids
+        return F.embedding(x, module.weight, module.padding_idx)
     conv_args = (module.stride, module.padding, module.dilation, module.groups)
     bn = module.bn
     if isinstance(module, FakeQuantConv2d) and bn is not None and module.training and not bool(module.bn_frozen):
@@ -66,11 +69,11 @@ def float_reference(module: nn.Module, x: Tensor) -> Tensor:
 @torch.no_grad()
 def layer_error_sums(module: nn.Module, x: Tensor, y_q: Tensor) -> Tensor:
     """(4,) float64 for one call: signal power, noise power, saturated input codes, input codes."""
-    x = x.detach().to(torch.float32)
+    x = x.detach().to(torch.float32) if x.is_floating_point() else x.detach()  # embeddings take token ids
     y_ref = float_reference(module, x).to(torch.float32)
     err = y_q.detach().to(torch.float32) - y_ref
-    aq = module.input_quantizer
-    if aq.dynamic:  # scales from the batch's own max |x|: nothing clips, by construction
+    aq = getattr(module, "input_quantizer", None)  # embeddings have none
+    if aq is None or aq.dynamic:  # scales from the batch's own max |x|: nothing clips, by construction
         saturated = torch.zeros((), dtype=torch.float64, device=x.device)
     else:
         z = torch.round(aq.zero_point.detach().to(torch.float32)).clamp_(aq.qmin, aq.qmax)
@@ -87,7 +90,7 @@ def non_finite_scales(layers: dict[str, nn.Module], loss: Tensor | None) -> tupl
         names.append("the loss")
         values.append(loss.detach().reshape(-1))
     for fqn, m in layers.items():
-        if not m.input_quantizer.dynamic:
+        if getattr(m, "input_quantizer", None) is not None and not m.input_quantizer.dynamic:
             names.append(f"the input scale of layer {fqn!r}")
             values.append(m.input_quantizer.scale.detach().reshape(-1))
         names.append(f"the weight scale of layer {fqn!r}")  # a min-max scale: non-finite iff a weight is

@@ -1,0 +1,463 @@
+"""The integer linear layer with per-group weight scales (LLM-style "8da4w": int8 per-token activations,
+int4 weights with one scale per group of `group_size` input features).
+
+x (M, K), W (N, K), groups g = 0 .. G-1 of the K axis, G = K / group_size, k in group g when
+k // group_size == g. Forward (NUMERICS.md, "Per-group weights"):
+    q_x      = quantize(x, s_x, z_x)                       # per-token dynamic (z_x = 0) or static per-tensor
+    q_w      = quantize(W, s_w[n, g(k)], 0)                # symmetric, one scale per (row, group)
+    acc_g    = sum_{k in g} (q_x[m, k] - z_x) * q_w[n, k]  # (G, M, N) int32, exact
+    p_g      = float32(acc_g) * s_w[n, g]                  # one rounding
+    t        = (...((p_0 + p_1) + p_2) + ...) + p_{G-1}    # fp32, increasing g, one rounding per add
+    y        = t * s_x[m] + b[n]                           # one rounding per step, no FMA
+Backward (straight-through, fp32), from the codes, scales and clip masks only:
+    w_hat     = q_w * s_w[n, g(k)]                          # (N, K)
+    grad_x    = (g @ w_hat) * mask_x
+    grad_w    = (gᵀ @ x_hat) * mask_w,  x_hat = (q_x - z_x) * s_x
+plus LSQ gradients for learned scales: per group, n = group_size elements share s_w[n, g], so
+grad_s_w[n, g] = sum_{k in g} grad_w_hat[n, k] * d w_hat / d s * 1/sqrt(group_size * qmax).
+
+Where the forward runs:
+- eager CPU with the C library (kernels/cpu/grouped_linear.c): one pass, the group sums stay in
+  registers (AVX512-VNNI; on CPUs without it, exact fp32 multiply-adds of the codes), same bits as
+  the reference below;
+- otherwise (traced by torch.export / torch.compile, no compiler): the reference in portable aten
+  ops: one batched fp32 GEMM of the codes, exact because every partial sum is an integer of
+  magnitude <= group_size * 2^14 <= 2^24 (NUMERICS.md, last section), then the sum over groups as
+  G - 1 explicit adds, which fixes their order;
+- CUDA / INTQAT_BACKEND=triton: kernels/int_gemm_grouped.py (scales applied inside its K loop).
+`intqat::int_linear_grouped` is one torch.library custom op (export / compile see one node);
+eager calls go through `_GroupedEager`, the same forward and backward without the dispatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import torch
+from torch import Tensor
+from torch.utils import _python_dispatch
+
+from intqat.ops import cpu_kernels
+from intqat.ops.backend import backend_for
+from intqat.ops.digit_gemm import digit_matmul, digits_pay
+from intqat.ops.int_linear import quantize_activation, rounded_zero_point
+from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.qparams import SCALE_EPS
+from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
+
+__all__ = [
+    "int_linear_grouped",
+    "grouped_integer_linear",
+    "grouped_reference",
+    "quantize_weight_grouped",
+    "dequantize_weight_grouped",
+    "minmax_group_scale",
+    "check_group_size",
+    "MAX_GROUP_SIZE",
+]
+
+# An fp32 GEMM of int8 codes is exact while each partial sum stays an integer <= 2^24: gs * 127 * 128 <= 2^24.
+MAX_GROUP_SIZE = 1024
+
+
+def check_group_size(K: int, group_size: int, what: str = "int_linear_grouped") -> int:
+    """G = K // group_size, or a ValueError naming the sizes."""
+    if not isinstance(group_size, int) or group_size <= 0 or K % group_size:
+        raise ValueError(f"{what}: group_size={group_size!r} must be a positive divisor of K={K} (e.g. 32, 64, 128, 256)")
+    if group_size > MAX_GROUP_SIZE:
+        raise ValueError(f"{what}: group_size={group_size} exceeds {MAX_GROUP_SIZE}: the group sums would no "
+                         "longer be exact in the fp32 reference; use per-channel weights instead")
+    return K // group_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: codes and scales per group
+# ---------------------------------------------------------------------------------------------
+
+
+def minmax_group_scale(weight: Tensor, group_size: int, qmax: float) -> Tensor:
+    """(N, G) fp32: max(max|W[n, group g]| / qmax, eps). Such a scale never clips. qmax may be a float
+    (7.5 for torch's [-8, 7] int4 grid)."""
+    N, K = weight.shape
+    w = weight.detach().reshape(N, K // group_size, group_size)
+    amax = torch.maximum(w.amax(dim=2), w.amin(dim=2).neg()).to(torch.float32)
+    return torch.clamp(amax / qmax, min=SCALE_EPS)
+
+
+def quantize_weight_grouped(weight: Tensor, w_scale: Tensor | None, group_size: int, qmin: int, qmax: int,
+                            need_mask: bool = False) -> tuple[Tensor, Tensor | None, Tensor]:
+    """W (N, K) -> (q_w int8 (N, K), clip mask bool (N, K) or None, s_w fp32 (N, G)).
+
+    w_scale None: the min-max scale (`minmax_group_scale` with qmax), computed in the pass that makes
+    the codes on the CPU. Each (row, group) is one row of the (N * G, group_size) view, so the
+    per-row quantize kernels do the work.
+    """
+    N, K = weight.shape
+    G = check_group_size(K, group_size)
+    w = weight.detach().reshape(N * G, group_size)
+    if w_scale is None:
+        if cpu_kernels.usable(w) and qmin == -qmax:
+            q, s, _ = cpu_kernels.quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS)
+            return q.reshape(N, K), torch.ones(N, K, dtype=torch.bool) if need_mask else None, s.reshape(N, G)
+        s = minmax_group_scale(weight, group_size, qmax)
+    else:
+        if tuple(w_scale.shape) != (N, G):
+            raise ValueError(f"w_scale must be (N, G) = ({N}, {G}) for weight {tuple(weight.shape)} and "
+                             f"group_size={group_size}, got {tuple(w_scale.shape)}")
+        s = w_scale.detach().to(torch.float32)
+    flat = s.reshape(-1)
+    if need_mask:
+        q, mask = quantize_with_mask(w, flat, 0, qmin, qmax, axis=0)
+        return q.reshape(N, K), mask.reshape(N, K), s
+    return quantize(w, flat, 0, qmin, qmax, axis=0).reshape(N, K), None, s
+
+
+def dequantize_weight_grouped(q_w: Tensor, s_w: Tensor) -> Tensor:
+    """w_hat (N, K) fp32 = q_w[n, k] * s_w[n, g(k)] (one rounding): what the backward multiplies by."""
+    N, K = q_w.shape
+    G = s_w.shape[1]
+    return dequantize(q_w.reshape(N * G, K // G), s_w.reshape(-1), 0, axis=0).reshape(N, K)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward: the reference (aten, portable) and the C kernel (same bits)
+# ---------------------------------------------------------------------------------------------
+
+
+def group_sums(q_x: Tensor, q_w: Tensor, G: int, z_x: Tensor | None) -> Tensor:
+    """acc (G, M, N) fp32 holding the exact int32 group sums of (q_x - z_x) * q_w.
+
+    One batched fp32 GEMM of the codes: every partial sum is an integer of magnitude <= gs * 2^14
+    <= 2^24, so any summation order gives the exact value. The zero-point correction
+    z_x * colsum_g(q_w) is applied in int32 (the difference may exceed 2^24).
+    """
+    M, K = q_x.shape
+    N = q_w.shape[0]
+    gs = K // G
+    xg = q_x.to(torch.float32).reshape(M, G, gs).transpose(0, 1)  # (G, M, gs)
+    wg = q_w.to(torch.float32).reshape(N, G, gs).permute(1, 2, 0)  # (G, gs, N)
+    acc = torch.bmm(xg, wg)
+    if z_x is None:
+        return acc
+    colsum = q_w.to(torch.float32).reshape(N, G, gs).sum(dim=2).to(torch.int32).t()  # (G, N), exact
+    acc = acc.to(torch.int32) - z_x.to(torch.int32).reshape(()) * colsum.unsqueeze(1)
+    return acc.to(torch.float32)
+
+
+def grouped_reference(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,
+                      bias: Tensor | None) -> Tensor:
+    """The definition, in aten ops (what torch.export records): y (M, N) fp32.
+
+    p_g = float32(acc_g) * s_w[:, g]; t = p_0 + p_1 + ... + p_{G-1} left to right; y = t * s_x + b.
+    """
+    G = s_w.shape[1]
+    p = group_sums(q_x, q_w, G, z_x) * s_w.t().unsqueeze(1)  # (G, M, N)
+    t = p[0]
+    for g in range(1, G):  # G - 1 adds in increasing g: the order is part of the result
+        t = t + p[g]
+    y = t * s_x.reshape(-1, 1)
+    return y + bias if bias is not None else y
+
+
+_SIGNATURES = {
+    "intqat_grouped_has_vnni": [],
+    # q_w, N, K, ldw, gs, Np, bp, cs
+    "intqat_grouped_pack": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+    # q_x, M, K, ldx, bp, cs, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
+    "intqat_grouped_linear_vnni": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int64],
+    # q_x, M, K, ldx, wt, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
+    "intqat_grouped_linear_f32": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    """kernels/cpu/grouped_linear.c, built like the fused kernels (same compiler, flags and cache)."""
+    if not cpu_kernels.available():
+        return None  # INTQAT_CPU_KERNELS=0 or no compiler: cpu_kernels already said so
+    try:
+        src = cpu_kernels._sources()[0].parent / "grouped_linear.c"
+        lib = ctypes.CDLL(str(cpu_kernels._build([src])))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int if name == "intqat_grouped_has_vnni" else None
+        return lib
+    except (OSError, RuntimeError, FileNotFoundError, AttributeError) as e:
+        warnings.warn(f"intqat: the per-group integer linear kernel is unavailable ({e}); the per-group layers run "
+                      "the (slower, numerically identical) aten reference", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _eager_ok(*tensors: Tensor | None) -> bool:
+    """No tracer watches (compile / export / dispatch mode / functorch) and the tensors are plain:
+    the eager autograd.Function may run; tracers must see the custom op, one node."""
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
+
+
+_FORCE_F32 = False  # tests set it to run the fp32 kernel (the path of CPUs without VNNI) here too
+
+
+def _kernel_ok(*tensors: Tensor | None) -> bool:
+    return cpu_kernels.usable(*tensors) and _library() is not None
+
+
+def _grouped_c(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None) -> Tensor:
+    lib = _library()
+    M, K = q_x.shape
+    N, G = s_w.shape
+    gs = K // G
+    q_x, q_w = q_x.contiguous(), q_w.contiguous()
+    s_x = s_x.detach().to(torch.float32).contiguous()
+    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    y = torch.empty(M, N, dtype=torch.float32)
+    sx_stride = 0 if s_x.numel() == 1 else 1
+    if M == 0 or N == 0:
+        return y
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if lib.intqat_grouped_has_vnni() and gs % 4 == 0 and not _FORCE_F32:
+        Np = -(-N // 32) * 32
+        bp = torch.empty(Np * K, dtype=torch.int8)
+        cs = torch.empty(G, Np, dtype=torch.int32)
+        lib.intqat_grouped_pack(q_w.data_ptr(), N, K, K, gs, Np, bp.data_ptr(), cs.data_ptr())
+        swt = torch.zeros(G, Np, dtype=torch.float32)
+        swt[:, :N] = s_w.detach().t()
+        lib.intqat_grouped_linear_vnni(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np,
+                                       gs, z, s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
+    else:  # no int8 dot products: exact fp32 multiply-adds of the codes (kernels/cpu/grouped_linear.c)
+        Np = -(-N // 64) * 64
+        wt = torch.zeros(K, Np, dtype=torch.float32)
+        wt[:, :N] = q_w.t()
+        swt = torch.zeros(G, Np, dtype=torch.float32)
+        swt[:, :N] = s_w.detach().t()
+        lib.intqat_grouped_linear_f32(q_x.data_ptr(), M, K, K, wt.data_ptr(), swt.data_ptr(), N, Np, gs, z,
+                                      s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
+    return y
+
+
+def grouped_integer_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,
+                           bias: Tensor | None) -> Tensor:
+    """y (M, N) fp32 from q_x (M, K) int8, q_w (N, K) int8, s_w (N, G), z_x (1,) int32 or None
+    (symmetric), s_x (M, 1) or (1, 1), bias (N,) or None: the formulas of the module docstring.
+
+    Eager CPU: the C kernel; traced or without it: `grouped_reference`. Same bits either way.
+    """
+    if _kernel_ok(q_x, q_w, s_w, s_x, bias, z_x) and s_x.numel() in (1, q_x.shape[0]):
+        return _grouped_c(q_x, q_w, s_w, 0 if z_x is None else int(z_x.reshape(())), s_x, bias)
+    return grouped_reference(q_x, q_w, s_w, z_x, s_x, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom op
+# ---------------------------------------------------------------------------------------------
+
+
+def _empty(like: Tensor) -> Tensor:
+    return torch.empty(0, dtype=torch.bool, device=like.device)  # outputs may not alias each other
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor,
+             w_scale: Tensor | None, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
+             x_dynamic: bool, w_clip_mask: bool):
+    """-> (y (M, N), q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x (1,) int32, s_w (N, G))."""
+    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
+    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, not x_dynamic)
+    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
+    q_w, mask_w, s_w = quantize_weight_grouped(weight, w_scale, group_size, w_qmin, w_qmax, need_mask=w_clip_mask)
+    s_w = s_w.to(torch.float32, copy=True)  # an output may not alias an input
+    b = None if bias is None else bias.detach()
+    if backend_for(x) == "triton":
+        from intqat import kernels
+
+        y = kernels.int_linear_grouped_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, b)
+    else:
+        y = grouped_integer_linear(q_x, q_w, s_w, None if x_dynamic else z_x, s_x, b)
+    return (y, q_x, _empty(x) if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _empty(x), s_x, z_x, s_w)
+
+
+@torch.library.custom_op("intqat::int_linear_grouped", mutates_args=())
+def _op(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor,
+        w_scale: Tensor | None, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
+        x_dynamic: bool, w_clip_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The node torch.compile / torch.export / opcheck see; outputs as `_forward`."""
+    return _forward(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax,
+                    x_dynamic, w_clip_mask)
+
+
+@_op.register_fake
+def _(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+      w_clip_mask):
+    M, K = x.shape
+    N = weight.shape[0]
+    return (
+        x.new_empty((M, N), dtype=torch.float32),
+        x.new_empty((M, K), dtype=torch.int8),
+        x.new_empty((0,) if x_dynamic else (M, K), dtype=torch.bool),
+        x.new_empty((N, K), dtype=torch.int8),
+        x.new_empty((N, K) if (w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool),
+        x.new_empty((M, 1) if x_dynamic else (1, 1), dtype=torch.float32),
+        x.new_empty((1,), dtype=torch.int32),
+        x.new_empty((N, K // group_size), dtype=torch.float32),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _ = inputs
+    _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
+    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    w_lsq = w_scale is not None and w_scale.requires_grad
+    # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned
+    ctx.save_for_backward(q_x, mask_x, q_w, mask_w, s_x, z_x, s_w, x if x_lsq else None, weight if w_lsq else None)
+    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.x_lsq, ctx.w_lsq, ctx.has_bias = x_lsq, w_lsq, bias is not None
+    ctx.shapes = (x_scale.shape, x_zero_point.shape, None if w_scale is None else w_scale.shape)
+
+
+def _backward(ctx, g, *_unused):
+    if g is None:  # eager path with unmaterialised grads: y did not reach the loss
+        return (None,) * 13
+    q_x, mask_x, q_w, mask_w, s_x, z_x, s_w, x, weight = ctx.saved_tensors
+    x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
+    need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
+    sx_shape, zx_shape, sw_shape = ctx.shapes
+    g = g.to(torch.float32)
+    grad_x = grad_w = grad_b = grad_sx = grad_zx = grad_sw = None
+    if need_x or need_sx or need_zx:
+        # grad_xhat = g @ w_hat, w_hat = q_w * s_w[n, g(k)]     (M, N) @ (N, K) -> (M, K)
+        grad_xhat = g @ dequantize_weight_grouped(q_w, s_w)
+        grad_x = torch.where(mask_x, grad_xhat, 0.0) if mask_x.numel() else grad_xhat
+        if ctx.x_lsq:
+            m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
+            gf = lsq_grad_factor(q_x.numel(), x_qmax)
+            s = s_x.reshape(())
+            if need_sx:
+                ds = lsq_scale_grad_elem(q_x, m, x.to(torch.float32), s, z_x.reshape(()), x_qmin, x_qmax)
+                grad_sx = ((grad_xhat * ds).sum() * gf).reshape(sx_shape)
+            if need_zx:  # LSQ+: d x_hat / d z = 0 inside the range, -s outside
+                grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(zx_shape)
+    if need_w or need_sw:
+        # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x      (N, M) @ (M, K) -> (N, K)
+        if digits_pay(*q_x.shape, q_w.shape[0], grad="w"):
+            grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x)  # on the int8 units (AMX CPUs)
+        else:
+            per_row = s_x.numel() > 1
+            x_hat = dequantize(q_x, s_x.reshape(-1) if per_row else s_x.reshape(()), z_x.reshape(()),
+                               axis=0 if per_row else None)
+            grad_what = g.t() @ x_hat
+        grad_w = torch.where(mask_w, grad_what, 0.0) if mask_w.numel() else grad_what
+        if need_sw:
+            N, K = q_w.shape
+            G = s_w.shape[1]
+            m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
+            s = s_w.reshape(N, G, 1)
+            ds = lsq_scale_grad_elem(q_w.reshape(N, G, K // G), m.reshape(N, G, K // G),
+                                     weight.detach().to(torch.float32).reshape(N, G, K // G), s,
+                                     torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
+            gf = lsq_grad_factor(K // G, w_qmax)
+            grad_sw = ((grad_what.reshape(N, G, K // G) * ds).sum(dim=2) * gf).reshape(sw_shape)
+    if need_b and ctx.has_bias:
+        grad_b = g.sum(dim=0)
+    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("intqat::int_linear_grouped", _backward, setup_context=_setup_context)
+
+
+class _GroupedEager(torch.autograd.Function):
+    """The eager path: `_forward`, `_setup_context` and `_backward` without torch.library's dispatch."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _forward(*args)
+        _setup_context(ctx, args, output)
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_dynamic) -> None:
+    def bad(msg):
+        raise ValueError(f"int_linear_grouped: {msg}")
+
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 1:
+        bad(f"x must be a floating-point tensor (..., K), got {getattr(x, 'dtype', type(x))}")
+    if not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point():
+        bad(f"weight must be a 2-D float (N, K) tensor, got {getattr(weight, 'dtype', type(weight))} "
+            f"{tuple(getattr(weight, 'shape', ()))}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        bad(f"K mismatch: x is {tuple(x.shape)} (..., K) and weight is {tuple(weight.shape)} (N, K)")
+    G = check_group_size(K, group_size)
+    if bias is not None and tuple(bias.shape) != (N,):
+        bad(f"bias must have shape ({N},), got {tuple(bias.shape)}")
+    if w_scale is not None and tuple(w_scale.shape) != (N, G):
+        bad(f"w_scale must have one scale per row and group, shape ({N}, {G}), got {tuple(w_scale.shape)}")
+    if not x_dynamic:
+        for name, t in (("x_scale", x_scale), ("x_zero_point", x_zero_point)):
+            if t is None or t.numel() != 1:
+                bad(f"static activations need a per-tensor {name} of shape (1,), got "
+                    f"{None if t is None else tuple(t.shape)}")
+    for name, t in (("weight", weight), ("bias", bias), ("w_scale", w_scale)):
+        if t is not None and t.device != x.device:
+            bad(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def int_linear_grouped(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    x_scale: Tensor | None,
+    x_zero_point: Tensor | None,
+    w_scale: Tensor | None,
+    *,
+    group_size: int,
+    x_qmin: int = -127,
+    x_qmax: int = 127,
+    w_qmin: int = -7,
+    w_qmax: int = 7,
+    x_dynamic: bool = True,
+    w_clip_mask: bool = True,
+) -> Tensor:
+    """y = x @ Wᵀ + b with per-group weight scales, through int8 codes and exact group sums; differentiable.
+
+    x (..., K) float, weight (N, K), bias (N,) or None, group_size dividing K (<= 1024).
+    w_scale (N, K // group_size) fp32 (learnable or not), or None for the min-max scale
+    max|W[n, group]| / w_qmax computed inside (it never clips). Defaults: 8da4w (dynamic per-token
+    int8 activations, int4 weights on [-7, 7]). Static activations: x_dynamic=False with x_scale (1,)
+    and x_zero_point (1,) (learnable by LSQ / LSQ+). The backward GEMMs run in fp32 (grad_w on the
+    int8 units on AMX CPUs, as int_linear's).
+    """
+    _check(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_dynamic)
+    check_qrange(x_qmin, x_qmax)
+    check_qrange(w_qmin, w_qmax)
+    if x_dynamic:
+        x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
+    elif not x_zero_point.is_floating_point():
+        x_zero_point = x_zero_point.to(torch.float32)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    args = (x2d, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax,
+            x_dynamic, w_clip_mask)
+    fn = _GroupedEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _op
+    return fn(*args)[0].reshape(*lead, weight.shape[0])

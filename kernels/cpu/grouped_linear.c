@@ -1,0 +1,200 @@
+/* The per-group integer linear forward on the CPU (intqat/ops/int_linear_grouped.py), one pass:
+ *
+ *   acc_g[m, n] = sum_{k in group g} (q_x[m, k] - z_x) * q_w[n, k]          int32, exact
+ *   t[m, n]     = (...((p_0 + p_1) + p_2) + ... ) + p_{G-1},  p_g = float32(acc_g[m, n]) * s_w[n, g]
+ *   y[m, n]     = t[m, n] * s_x[m] + b[n]
+ *
+ * Every product and sum is rounded to float32 once, in exactly this order (compiled with
+ * -ffp-contract=off: no FMA), so y equals the torch reference of int_linear_grouped.py bit for bit.
+ * The int32 sum of one group never reaches memory: it is scaled and added into t inside the K loop.
+ *
+ * With AVX512-VNNI, VPDPBUSD multiplies unsigned by signed bytes: the activation codes go in as
+ * q_x + 128 (an xor with 0x80), and the kernel subtracts (128 + z_x) * colsum_g(q_w)[n] from each
+ * group's sum, which gives the same exact integer. Without VNNI, intqat_grouped_linear_f32 multiplies
+ * the codes as fp32 (exact: every product and partial sum is an integer below 2^24), same numbers.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512VNNI__
+#include <immintrin.h>
+#endif
+
+#define NB 16 /* output columns per zmm */
+
+int intqat_grouped_has_vnni(void) {
+#ifdef __AVX512VNNI__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* q_w (N, K) int8 (row stride ldw) -> bp (Np/16, K/4, 16, 4): each 64-byte line holds four
+ * consecutive k of 16 output channels, the operand layout of VPDPBUSD; padded columns are 0.
+ * cs (G, Np) int32: colsum of each group's codes per column. Needs K % 4 == 0, Np % 32 == 0. */
+void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, int64_t gs, int64_t Np,
+                         int8_t *bp, int32_t *cs) {
+    const int64_t KQ = K / 4, G = K / gs;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < Np / NB; nb++) {
+        int8_t *dst = bp + nb * KQ * 64;
+        for (int64_t kq = 0; kq < KQ; kq++)
+            for (int64_t j = 0; j < NB; j++) {
+                int64_t n = nb * NB + j;
+                for (int64_t i = 0; i < 4; i++)
+                    dst[kq * 64 + j * 4 + i] = n < N ? q_w[n * ldw + kq * 4 + i] : 0;
+            }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < NB; j++) {
+                int64_t n = nb * NB + j;
+                int32_t s = 0;
+                if (n < N)
+                    for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += q_w[n * ldw + k];
+                cs[g * Np + n] = s;
+            }
+    }
+}
+
+#ifdef __AVX512VNNI__
+/* mr (<= 4) rows x 32 columns (two zmm) of y. bp: this column block's packed codes; the second
+ * 16 columns start bstride bytes later. swt, cs: (G, Np) at column n0. */
+static inline __attribute__((always_inline)) void tile_vnni(const int mr, const int8_t *qx, int64_t ldx, const int8_t *bp, int64_t bstride,
+                             int64_t K, int64_t gs, const int32_t *cs, const float *swt, int64_t Np, int32_t z,
+                             const float *sx, int64_t sx_stride, const float *bias, float *y, int64_t ldy,
+                             int64_t ncols) {
+    __m512 t[4][2];
+    for (int r = 0; r < 4; r++) t[r][0] = t[r][1] = _mm512_setzero_ps();
+    const __m512i flip = _mm512_set1_epi32((int32_t)0x80808080);
+    const __m512i zc = _mm512_set1_epi32(128 + z);
+    const int64_t G = K / gs, QG = gs / 4;
+    for (int64_t g = 0; g < G; g++) {
+        __m512i a[4][2];
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+        const int8_t *b = bp + g * QG * 64;
+        for (int64_t q = 0; q < QG; q++) {
+            __m512i b0 = _mm512_loadu_si512((const void *)(b + q * 64));
+            __m512i b1 = _mm512_loadu_si512((const void *)(b + bstride + q * 64));
+            int64_t k = (g * QG + q) * 4;
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                int32_t xv;
+                memcpy(&xv, qx + r * ldx + k, 4);
+                __m512i xb = _mm512_xor_si512(_mm512_set1_epi32(xv), flip); /* q_x + 128 as u8 */
+                a[r][0] = _mm512_dpbusd_epi32(a[r][0], xb, b0);
+                a[r][1] = _mm512_dpbusd_epi32(a[r][1], xb, b1);
+            }
+        }
+        /* acc_g = a - (128 + z) * colsum_g: the exact group sum of (q_x - z) * q_w */
+        __m512i c0 = _mm512_mullo_epi32(zc, _mm512_loadu_si512((const void *)(cs + g * Np)));
+        __m512i c1 = _mm512_mullo_epi32(zc, _mm512_loadu_si512((const void *)(cs + g * Np + NB)));
+        __m512 s0 = _mm512_loadu_ps(swt + g * Np), s1 = _mm512_loadu_ps(swt + g * Np + NB);
+        for (int r = 0; r < mr; r++) {
+            t[r][0] = _mm512_add_ps(t[r][0], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][0], c0)), s0));
+            t[r][1] = _mm512_add_ps(t[r][1], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[r][1], c1)), s1));
+        }
+    }
+    __mmask16 m0 = ncols >= NB ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
+    __mmask16 m1 = ncols >= 2 * NB ? (__mmask16)0xFFFF : ncols > NB ? (__mmask16)((1u << (ncols - NB)) - 1) : 0;
+    for (int r = 0; r < mr; r++) {
+        __m512 s = _mm512_set1_ps(sx[r * sx_stride]);
+        __m512 y0 = _mm512_mul_ps(t[r][0], s), y1 = _mm512_mul_ps(t[r][1], s);
+        if (bias) {
+            y0 = _mm512_add_ps(y0, _mm512_maskz_loadu_ps(m0, bias));
+            y1 = _mm512_add_ps(y1, _mm512_maskz_loadu_ps(m1, bias + NB));
+        }
+        _mm512_mask_storeu_ps(y + r * ldy, m0, y0);
+        _mm512_mask_storeu_ps(y + r * ldy + NB, m1, y1);
+    }
+}
+#endif
+
+/* y (M, N) fp32 (row stride ldy). q_x (M, K) row stride ldx. bp, cs from intqat_grouped_pack;
+ * swt (G, Np) fp32: s_w transposed, padded with zeros. s_x (M,) with stride sx_stride (0: one scale).
+ * bias (N,) or NULL. */
+void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *bp,
+                                const int32_t *cs, const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z,
+                                const float *s_x, int64_t sx_stride, const float *bias, float *y, int64_t ldy) {
+#ifdef __AVX512VNNI__
+    const int64_t MB = (M + 3) / 4, NBLK = Np / (2 * NB), bstride = (K / 4) * 64;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t j = 0; j < NBLK; j++)
+        for (int64_t i = 0; i < MB; i++) {
+            int64_t m0 = i * 4, n0 = j * 2 * NB;
+            int mr = (int)(M - m0 < 4 ? M - m0 : 4);
+            int64_t ncols = N - n0 < 2 * NB ? N - n0 : 2 * NB;
+            /* mr as a literal: the accumulator arrays then live in registers */
+#define TILE(MR) tile_vnni(MR, q_x + m0 * ldx, ldx, bp + (n0 / NB) * bstride, bstride, K, gs, cs + n0, swt + n0, Np, \
+                           z, s_x + m0 * sx_stride, sx_stride, bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, ncols)
+            switch (mr) {
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
+            }
+#undef TILE
+        }
+#else
+    (void)q_x; (void)M; (void)K; (void)ldx; (void)bp; (void)cs; (void)swt; (void)N; (void)Np; (void)gs; (void)z;
+    (void)s_x; (void)sx_stride; (void)bias; (void)y; (void)ldy;
+#endif
+}
+
+/* Without int8 dot products: the codes as fp32 and fp32 multiply-adds. Each product is an integer of
+ * magnitude <= 2^14 and each group's partial sum one of magnitude <= gs * 2^14 <= 2^24, so every fp32
+ * operation is exact and acc equals the int32 group sum (NUMERICS.md, last section).
+ * wt (K, Np) fp32: q_w transposed, padded with zero columns; swt (G, Np) as above. Tiles of 4 rows x 64
+ * columns with literal bounds, so the compiler keeps them in vector registers. */
+#define NF 64
+static inline __attribute__((always_inline)) void tile_f32(const int mr, const int8_t *qx, int64_t ldx,
+                                                           const float *wt, int64_t Np, int64_t K, int64_t gs,
+                                                           const float *swt, int32_t z, const float *sx,
+                                                           int64_t sx_stride, const float *bias, float *y,
+                                                           int64_t ldy, int64_t ncols) {
+    float t[4][NF], acc[4][NF];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < NF; j++) t[r][j] = 0.0f;
+    const int64_t G = K / gs;
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < 4; r++)
+            for (int j = 0; j < NF; j++) acc[r][j] = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; k++) {
+            const float *w = wt + k * Np;
+#pragma GCC unroll 4
+            for (int r = 0; r < mr; r++) {
+                const float xv = (float)((int32_t)qx[r * ldx + k] - z);
+                /* an FMA rounds nothing here: product and sum are integers below 2^24 */
+                for (int j = 0; j < NF; j++) acc[r][j] = __builtin_fmaf(xv, w[j], acc[r][j]);
+            }
+        }
+        const float *s = swt + g * Np;
+        for (int r = 0; r < mr; r++)
+            for (int j = 0; j < NF; j++) t[r][j] = t[r][j] + acc[r][j] * s[j];
+    }
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < ncols; j++) {
+            float v = t[r][j] * sx[r * sx_stride];
+            y[r * ldy + j] = bias ? v + bias[j] : v;
+        }
+}
+
+void intqat_grouped_linear_f32(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const float *wt,
+                               const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z, const float *s_x,
+                               int64_t sx_stride, const float *bias, float *y, int64_t ldy) {
+    const int64_t MB = (M + 3) / 4, NBLK = Np / NF;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t j = 0; j < NBLK; j++)
+        for (int64_t i = 0; i < MB; i++) {
+            int64_t m0 = i * 4, n0 = j * NF;
+            int mr = (int)(M - m0 < 4 ? M - m0 : 4);
+            int64_t ncols = N - n0 < NF ? N - n0 : NF;
+#define TILE(MR) tile_f32(MR, q_x + m0 * ldx, ldx, wt + n0, Np, K, gs, swt + n0, z, s_x + m0 * sx_stride, sx_stride, \
+                          bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, ncols)
+            switch (mr) {
+            case 4: TILE(4); break;
+            case 3: TILE(3); break;
+            case 2: TILE(2); break;
+            default: TILE(1); break;
+            }
+#undef TILE
+        }
+}
