@@ -201,6 +201,9 @@ def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dic
                 if fqn in reasons:  # a fake-quant module kept by filter_fn, another library's that did not convert
                     out[fqn] = reasons[fqn]
                 continue
+            if isinstance(child, nn.Embedding) and fqn in reasons:  # asked for (config.embedding) and refused
+                out[fqn] = reasons[fqn]
+                continue
             if _is_layer(child):
                 out[fqn] = reasons.get(fqn) or _default_reason(child)
                 if not isinstance(child, nn.MultiheadAttention):

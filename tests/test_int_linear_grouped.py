@@ -7,15 +7,12 @@ tolerances; LSQ per-group scale gradients against torch's learnable fake quant.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
-from intqat.ops import cpu_kernels
+from intqat.ops import backends
 from intqat.ops.int_linear import quantize_activation
 from intqat.ops.int_linear_grouped import (
-    _library,
     dequantize_weight_grouped,
     group_sums,
     grouped_integer_linear,
@@ -77,15 +74,24 @@ def test_group_sums_exact_at_the_extremes():
     assert torch.equal(acc, torch.full((G, 3, 5), float(gs * 127 * 127)))
 
 
-@pytest.mark.skipif(_library() is None, reason="no C compiler: the C kernel cannot be built here")
+def _runs_here(name):
+    reason = backends.unavailable(name)
+    if reason is not None:
+        pytest.skip(f"backend {name} cannot run here: {reason}")
+
+
 @pytest.mark.parametrize("M,K,N,gs", [(5, 64, 7, 32), (256, 1024, 1024, 32), (33, 256, 100, 128), (3, 96, 40, 32),
                                       (7, 48, 70, 16), (2, 60, 5, 20), (9, 512, 31, 256)])
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_c_kernel_equals_reference(M, K, N, gs, dynamic):
+    """cpu_fused's VNNI kernel (where this CPU has VNNI; its group sizes that are multiples of 4)."""
+    _runs_here("cpu_fused")
     _, _, b, q_x, s_x, q_w, s_w = _codes(M, K, N, gs, dynamic=dynamic)
     z = None if dynamic else torch.tensor([5], dtype=torch.int32)
-    fast = grouped_integer_linear(q_x, q_w, s_w, z, s_x, b)
-    with cpu_kernels.disabled():
+    with backends.use_backend("cpu_fused"), backends.recording() as ran:
+        fast = grouped_integer_linear(q_x, q_w, s_w, z, s_x, b)
+    assert ran[("linear_grouped", "cpu_fused")] == 1
+    with backends.use_backend("reference"):
         ref = grouped_integer_linear(q_x, q_w, s_w, z, s_x, b)
     assert torch.equal(fast, ref)
     assert torch.equal(grouped_integer_linear(q_x, q_w, s_w, z, s_x, None), grouped_reference(q_x, q_w, s_w, z, s_x, None))
@@ -205,12 +211,14 @@ def test_triton_grouped_kernel_matches_cpu(M, K, N, gs, dynamic):
     assert torch.equal(y, ref)
 
 
-def test_triton_backend_runs_the_op(monkeypatch):
-    pytest.importorskip("intqat.kernels")
+def test_triton_backend_runs_the_op():
+    _runs_here("triton")
     x, w, b, *_ = _codes(6, 128, 12, 32)
     expected = int_linear_grouped(x, w, b, None, None, None, group_size=32)
-    monkeypatch.setenv("INTQAT_BACKEND", "triton")
-    assert torch.equal(int_linear_grouped(x, w, b, None, None, None, group_size=32), expected)
+    with backends.use_backend("triton"), backends.recording() as ran:
+        got = int_linear_grouped(x, w, b, None, None, None, group_size=32)
+    assert ran[("linear_grouped", "triton")] == 1
+    assert torch.equal(got, expected)
 
 
 def test_triton_kernel_refuses_odd_group_size():
@@ -221,13 +229,15 @@ def test_triton_kernel_refuses_odd_group_size():
                                            torch.ones(2, 2), None)
 
 
-@pytest.mark.skipif(_library() is None, reason="no C compiler: the C kernel cannot be built here")
+@pytest.mark.parametrize("name", ["avx2_int16", "fp32_exact"])
 @pytest.mark.parametrize("M,K,N,gs", [(5, 64, 70, 32), (33, 96, 40, 32), (64, 512, 130, 128), (3, 60, 5, 20)])
-def test_fp32_kernel_for_cpus_without_int8_dot_products_equals_reference(M, K, N, gs, monkeypatch):
-    grouped = importlib.import_module("intqat.ops.int_linear_grouped")  # the module (intqat.ops exports the function)
-
-    monkeypatch.setattr(grouped, "_FORCE_F32", True)
+def test_fp32_kernel_for_cpus_without_int8_dot_products_equals_reference(name, M, K, N, gs):
+    """The exact-fp32 kernel the no-int8-dot backends run, forced here (any CPU runs it)."""
+    _runs_here(name)
     for dynamic in (True, False):
         _, _, b, q_x, s_x, q_w, s_w = _codes(M, K, N, gs, dynamic=dynamic)
         z = None if dynamic else torch.tensor([5], dtype=torch.int32)
-        assert torch.equal(grouped_integer_linear(q_x, q_w, s_w, z, s_x, b), grouped_reference(q_x, q_w, s_w, z, s_x, b))
+        with backends.use_backend(name), backends.recording() as ran:
+            got = grouped_integer_linear(q_x, q_w, s_w, z, s_x, b)
+        assert ran[("linear_grouped", name)] == 1
+        assert torch.equal(got, grouped_reference(q_x, q_w, s_w, z, s_x, b))

@@ -56,6 +56,8 @@ __all__ = [
     "int16_gemm_available",
     "int16_gemm",
     "int16_linear",
+    "grouped_vnni_available",
+    "grouped_linear",
 ]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -89,6 +91,12 @@ _SIGNATURES = {
     "intqat_amx_linear": [_P, _P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P],
     # (int16_gemm.c) a, M, K, a_rs, a_cs, b, N, b_rs, b_cs, a pack, b pack, c
     "intqat_int16_gemm": [_P, _I, _I, _I, _I, _P, _I, _I, _I, _P, _P, _P],
+    # (grouped_linear.c) q_w, N, K, ldw, gs, Np, bp, cs
+    "intqat_grouped_pack": [_P, _I, _I, _I, _I, _I, _P, _P],
+    # q_x, M, K, ldx, bp, cs, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
+    "intqat_grouped_linear_vnni": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
+    # q_x, M, K, ldx, wt, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
+    "intqat_grouped_linear_f32": [_P, _I, _I, _I, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
     # q_x, M, K, q_w, N, z_x, colsum, s_x, sx_stride, s_w, bias, a pack, b pack, y
     "intqat_int16_linear": [_P, _I, _I, _P, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P, _P, _P],
 }
@@ -99,7 +107,7 @@ _load_tried = False
 _disabled_depth = 0
 
 
-_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c")  # compiled together into one library
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c")  # compiled together into one library
 
 
 def _sources() -> list[Path]:
@@ -521,4 +529,57 @@ def int16_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x:
         _lib.intqat_int16_linear(q_x.data_ptr(), M, K, q_w.data_ptr(), N, int(z_x), _ptr(cs), s_x.data_ptr(),
                                  1 if s_x.numel() > 1 else 0, s_w.data_ptr(), _ptr(b), ap.data_ptr(), bp.data_ptr(),
                                  y.data_ptr())
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-group integer linear (kernels/cpu/grouped_linear.c; formulas in intqat/ops/int_linear_grouped.py)
+# ---------------------------------------------------------------------------------------------
+
+_grouped_vnni: bool | None = None
+
+
+def grouped_vnni_available() -> bool:
+    """The library's per-group kernel was built with AVX512-VNNI."""
+    global _grouped_vnni
+    if not available():
+        return False
+    if _grouped_vnni is None:
+        _lib.intqat_grouped_has_vnni.restype = ctypes.c_int
+        _grouped_vnni = bool(_lib.intqat_grouped_has_vnni())
+    return _grouped_vnni
+
+
+def grouped_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None,
+                   fp32_codes: bool) -> Tensor:
+    """y (M, N) of the per-group integer linear, the same bits as `grouped_reference`. fp32_codes: the
+    kernel for CPUs without int8 dot products (exact fp32 multiply-adds of the codes); else VNNI
+    (call only if `grouped_vnni_available()` and the group size is a multiple of 4)."""
+    M, K = q_x.shape
+    N, G = s_w.shape
+    gs = K // G
+    q_x, q_w = q_x.contiguous(), q_w.contiguous()
+    s_x = s_x.detach().to(torch.float32).contiguous()
+    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    y = torch.empty(M, N, dtype=torch.float32)
+    sx_stride = 0 if s_x.numel() == 1 else 1
+    if M == 0 or N == 0:
+        return y
+    if not fp32_codes:
+        Np = -(-N // 32) * 32
+        bp = torch.empty(Np * K, dtype=torch.int8)
+        cs = torch.empty(G, Np, dtype=torch.int32)
+        _lib.intqat_grouped_pack(q_w.data_ptr(), N, K, K, gs, Np, bp.data_ptr(), cs.data_ptr())
+        swt = torch.zeros(G, Np, dtype=torch.float32)
+        swt[:, :N] = s_w.detach().t()
+        _lib.intqat_grouped_linear_vnni(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np,
+                                        gs, z, s_x.data_ptr(), sx_stride, _ptr(bias), y.data_ptr(), N)
+    else:
+        Np = -(-N // 64) * 64
+        wt = torch.zeros(K, Np, dtype=torch.float32)
+        wt[:, :N] = q_w.t()
+        swt = torch.zeros(G, Np, dtype=torch.float32)
+        swt[:, :N] = s_w.detach().t()
+        _lib.intqat_grouped_linear_f32(q_x.data_ptr(), M, K, K, wt.data_ptr(), swt.data_ptr(), N, Np, gs, z,
+                                       s_x.data_ptr(), sx_stride, _ptr(bias), y.data_ptr(), N)
     return y

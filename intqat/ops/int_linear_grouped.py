@@ -31,16 +31,10 @@ eager calls go through `_GroupedEager`, the same forward and backward without th
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import warnings
-
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
 
-from intqat.ops import cpu_kernels
-from intqat.ops.backend import backend_for
+from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
@@ -98,8 +92,8 @@ def quantize_weight_grouped(weight: Tensor, w_scale: Tensor | None, group_size: 
     G = check_group_size(K, group_size)
     w = weight.detach().reshape(N * G, group_size)
     if w_scale is None:
-        if cpu_kernels.usable(w) and qmin == -qmax:
-            q, s, _ = cpu_kernels.quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS)
+        if qmin == -qmax:  # symmetric: the dynamic per-row pass makes the min-max scale and the codes at once
+            q, s, _ = backends.select("quantize_rows_dynamic", w).quantize_rows_dynamic(w, qmin, qmax, SCALE_EPS)
             return q.reshape(N, K), torch.ones(N, K, dtype=torch.bool) if need_mask else None, s.reshape(N, G)
         s = minmax_group_scale(weight, group_size, qmax)
     else:
@@ -161,90 +155,9 @@ def grouped_reference(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None,
     return y + bias if bias is not None else y
 
 
-_SIGNATURES = {
-    "intqat_grouped_has_vnni": [],
-    # q_w, N, K, ldw, gs, Np, bp, cs
-    "intqat_grouped_pack": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
-    # q_x, M, K, ldx, bp, cs, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
-    "intqat_grouped_linear_vnni": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                   ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_int64],
-    # q_x, M, K, ldx, wt, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
-    "intqat_grouped_linear_f32": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32,
-                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
-}
-
-
-@functools.lru_cache(maxsize=1)
-def _library() -> ctypes.CDLL | None:
-    """kernels/cpu/grouped_linear.c, built like the fused kernels (same compiler, flags and cache)."""
-    if not cpu_kernels.available():
-        return None  # INTQAT_CPU_KERNELS=0 or no compiler: cpu_kernels already said so
-    try:
-        src = cpu_kernels._sources()[0].parent / "grouped_linear.c"
-        lib = ctypes.CDLL(str(cpu_kernels._build([src])))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes = argtypes
-            fn.restype = ctypes.c_int if name == "intqat_grouped_has_vnni" else None
-        return lib
-    except (OSError, RuntimeError, FileNotFoundError, AttributeError) as e:
-        warnings.warn(f"intqat: the per-group integer linear kernel is unavailable ({e}); the per-group layers run "
-                      "the (slower, numerically identical) aten reference", RuntimeWarning, stacklevel=3)
-        return None
-
-
 def _eager_ok(*tensors: Tensor | None) -> bool:
-    """No tracer watches (compile / export / dispatch mode / functorch) and the tensors are plain:
-    the eager autograd.Function may run; tracers must see the custom op, one node."""
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-        return False
-    if torch._C._are_functorch_transforms_active() or _python_dispatch._get_current_dispatch_mode() is not None:
-        return False
-    return all(t is None or type(t) is Tensor or type(t) is torch.nn.Parameter for t in tensors)
-
-
-_FORCE_F32 = False  # tests set it to run the fp32 kernel (the path of CPUs without VNNI) here too
-
-
-def _kernel_ok(*tensors: Tensor | None) -> bool:
-    return cpu_kernels.usable(*tensors) and _library() is not None
-
-
-def _grouped_c(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None) -> Tensor:
-    lib = _library()
-    M, K = q_x.shape
-    N, G = s_w.shape
-    gs = K // G
-    q_x, q_w = q_x.contiguous(), q_w.contiguous()
-    s_x = s_x.detach().to(torch.float32).contiguous()
-    bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    y = torch.empty(M, N, dtype=torch.float32)
-    sx_stride = 0 if s_x.numel() == 1 else 1
-    if M == 0 or N == 0:
-        return y
-    bias_ptr = None if bias is None else bias.data_ptr()
-    if lib.intqat_grouped_has_vnni() and gs % 4 == 0 and not _FORCE_F32:
-        Np = -(-N // 32) * 32
-        bp = torch.empty(Np * K, dtype=torch.int8)
-        cs = torch.empty(G, Np, dtype=torch.int32)
-        lib.intqat_grouped_pack(q_w.data_ptr(), N, K, K, gs, Np, bp.data_ptr(), cs.data_ptr())
-        swt = torch.zeros(G, Np, dtype=torch.float32)
-        swt[:, :N] = s_w.detach().t()
-        lib.intqat_grouped_linear_vnni(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np,
-                                       gs, z, s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
-    else:  # no int8 dot products: exact fp32 multiply-adds of the codes (kernels/cpu/grouped_linear.c)
-        Np = -(-N // 64) * 64
-        wt = torch.zeros(K, Np, dtype=torch.float32)
-        wt[:, :N] = q_w.t()
-        swt = torch.zeros(G, Np, dtype=torch.float32)
-        swt[:, :N] = s_w.detach().t()
-        lib.intqat_grouped_linear_f32(q_x.data_ptr(), M, K, K, wt.data_ptr(), swt.data_ptr(), N, Np, gs, z,
-                                      s_x.data_ptr(), sx_stride, bias_ptr, y.data_ptr(), N)
-    return y
+    """True when nothing traces this call (`backends.tracing`): tracers must see the custom op, one node."""
+    return not backends.tracing(*tensors)
 
 
 def grouped_integer_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,
@@ -252,11 +165,13 @@ def grouped_integer_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | 
     """y (M, N) fp32 from q_x (M, K) int8, q_w (N, K) int8, s_w (N, G), z_x (1,) int32 or None
     (symmetric), s_x (M, 1) or (1, 1), bias (N,) or None: the formulas of the module docstring.
 
-    Eager CPU: the C kernel; traced or without it: `grouped_reference`. Same bits either way.
+    The backend table picks the implementation (`intqat.ops.backends`, primitive "linear_grouped"):
+    the C kernel on VNNI CPUs (cpu_fused), its exact-fp32 twin without int8 dot products
+    (avx2_int16 / fp32_exact), Triton on GPUs, `grouped_reference` when traced. Same bits everywhere.
     """
-    if _kernel_ok(q_x, q_w, s_w, s_x, bias, z_x) and s_x.numel() in (1, q_x.shape[0]):
-        return _grouped_c(q_x, q_w, s_w, 0 if z_x is None else int(z_x.reshape(())), s_x, bias)
-    return grouped_reference(q_x, q_w, s_w, z_x, s_x, bias)
+    shape = (q_x.shape[0], q_x.shape[1], q_w.shape[0])
+    b = backends.select("linear_grouped", q_x, q_w, s_w, s_x, bias, z_x, shape=shape)
+    return b.linear_grouped(q_x, q_w, s_w, z_x, s_x, bias)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,12 +193,7 @@ def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_
     q_w, mask_w, s_w = quantize_weight_grouped(weight, w_scale, group_size, w_qmin, w_qmax, need_mask=w_clip_mask)
     s_w = s_w.to(torch.float32, copy=True)  # an output may not alias an input
     b = None if bias is None else bias.detach()
-    if backend_for(x) == "triton":
-        from intqat import kernels
-
-        y = kernels.int_linear_grouped_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, b)
-    else:
-        y = grouped_integer_linear(q_x, q_w, s_w, None if x_dynamic else z_x, s_x, b)
+    y = grouped_integer_linear(q_x, q_w, s_w, None if x_dynamic else z_x, s_x, b)
     return (y, q_x, _empty(x) if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _empty(x), s_x, z_x, s_w)
 
 

@@ -22,7 +22,7 @@ __all__ = ["Avx2Int16"]
 class Avx2Int16(Backend):
     name = "avx2_int16"
     needs = "x86 AVX2 and the fused C kernels (chosen where the CPU has no int8 dot-product units)"
-    primitives = frozenset({"int_mm", "linear"})
+    primitives = frozenset({"int_mm", "linear", "linear_grouped"})
 
     def unavailable(self):
         if not cpu_kernels.available():
@@ -52,3 +52,11 @@ class Avx2Int16(Backend):
             return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
         z = 0 if z_x is None else int(z_x.reshape(()))
         return cpu_kernels.int16_linear(q_x, q_w, z, None if z_x is None else colsum, s_x, s_w, bias)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        """kernels/cpu/grouped_linear.c's exact fp32 multiply-adds of the codes (each group's sum an
+        integer <= group_size * 2^14 <= 2^24), scaled in the K loop; (per-group weights: fp32 units here too)."""
+        if not cpu_kernels.available() or s_x.numel() not in (1, q_x.shape[0]):
+            return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=True)

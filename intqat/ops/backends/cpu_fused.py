@@ -19,7 +19,7 @@ from intqat.ops.backends.reference import MAX_K_INT32, Reference, is_dense
 
 __all__ = ["CpuFused"]
 
-_GEMMS = frozenset({"int_mm", "linear", "digit_matmul"})
+_GEMMS = frozenset({"int_mm", "linear", "digit_matmul", "linear_grouped"})
 
 
 class CpuFused(Backend):
@@ -73,6 +73,14 @@ class CpuFused(Backend):
         digits, shift, rowsum = cpu_kernels.split_digits(a, col_scale, need_rowsum=bool(z), digits=digits)
         acc = torch._int_mm(digits.view(3 * R, C), q, out=cpu_kernels.scratch("digit_acc", (3 * R, K), torch.int32))
         return cpu_kernels.combine_digits(acc, shift, rowsum, z, mask)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        """kernels/cpu/grouped_linear.c: each group's int32 sum in VNNI registers, scaled in the K loop."""
+        gs = q_x.shape[1] // s_w.shape[1]
+        if not cpu_kernels.grouped_vnni_available() or gs % 4 or s_x.numel() not in (1, q_x.shape[0]):
+            return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=False)
 
     # --- elementwise passes --------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from intqat.ops import cpu_kernels
 from intqat.ops.backends.base import Backend, plain_cpu
 from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
 
@@ -46,7 +47,7 @@ class Fp32Exact(Backend):
     needs = "fp32 only (the fallback without int8 dot products and without the AVX2 kernel)"
     # digit_matmul: exact (three fp32 GEMMs of the digit planes) but three times an fp32 GEMM's work,
     # so `digits_pay` never picks it: on this class the STE backward keeps its fp32 GEMMs
-    primitives = frozenset({"int_mm", "linear", "digit_matmul"})
+    primitives = frozenset({"int_mm", "linear", "digit_matmul", "linear_grouped"})
 
     def refuse(self, primitive, tensors, shape, traced):
         if traced:
@@ -74,3 +75,11 @@ class Fp32Exact(Backend):
 
     def digit_matmul(self, a, col_scale, q, z, mask):
         return Reference.digit_matmul(self, a, col_scale, q, z, mask)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        """kernels/cpu/grouped_linear.c's exact fp32 multiply-adds of the codes (each group's sum an
+        integer <= group_size * 2^14 <= 2^24), scaled in the K loop; the reference without the library."""
+        if not cpu_kernels.available() or s_x.numel() not in (1, q_x.shape[0]):
+            return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=True)

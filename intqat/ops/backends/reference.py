@@ -66,7 +66,7 @@ class Reference(Backend):
     needs = "torch only (the definition; what tracers and exported programs see)"
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask", "linear_grouped",
     })
     traceable = True
 
@@ -92,6 +92,13 @@ class Reference(Backend):
 
         acc = self.int_mm(q_x, q_w.t())
         return backends.select("epilogue", acc, s_x, s_w, bias).epilogue(acc, z_x, colsum, s_x, s_w, bias)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        """The per-group integer linear (int_linear_grouped.py's formulas): one exact fp32 batched GEMM of
+        the codes, the groups added in increasing order."""
+        from intqat.ops.int_linear_grouped import grouped_reference
+
+        return grouped_reference(q_x, q_w, s_w, z_x, s_x, bias)
 
     def epilogue(self, acc, z_x, colsum, s_x, s_w, bias):
         """acc (M, N) int32 -> float32(acc - z_x * colsum[n]) * (s_x[m] * s_w[n]) + b[n], one rounding a step.

@@ -19,7 +19,7 @@ __all__ = ["Triton"]
 class Triton(Backend):
     name = "triton"
     needs = "a CUDA GPU (or, forced, the Triton interpreter: TRITON_INTERPRET=1)"
-    primitives = frozenset({"int_mm", "linear", "ste_grad_input", "ste_grad_weight"})
+    primitives = frozenset({"int_mm", "linear", "linear_grouped", "ste_grad_input", "ste_grad_weight"})
     traceable = True  # its kernels are torch.library ops: tracers see one node each
 
     def unavailable(self):
@@ -60,6 +60,11 @@ class Triton(Backend):
         if colsum is None:
             colsum = weight_colsum(q_w)
         return self._kernels().int_linear_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, colsum, bias)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        if z_x is None:
+            z_x = torch.zeros(1, dtype=torch.int32, device=q_x.device)
+        return self._kernels().int_linear_grouped_forward(q_x, q_w, s_x.reshape(-1), z_x, s_w, bias)
 
     def ste_grad_input(self, g, q_w, s_w, mask_x):
         return self._kernels().ste_grad_input(g, q_w, s_w, mask_x)
