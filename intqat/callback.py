@@ -37,7 +37,7 @@ from intqat.checkpoint import (
 )
 from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
-from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES, ActivationQuantizer
+from intqat.nn import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES, ActivationQuantizer, FakeQuantMultiheadAttention
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
 
 __all__ = ["IntQAT", "NonFiniteError", "restore_quant_structure", "save_quant_structure", "CHECKPOINT_KEY"]
@@ -357,10 +357,11 @@ class IntQAT(Callback):
     def _apply(self, trainer: Trainer, pl_module: LightningModule, stage: str, in_setup: bool = False) -> None:
         if stage == "prepare":
             before_params = {id(p) for p in pl_module.parameters()}
-            before = set(self._quant_layers(pl_module))
+            before = set(self._quant_layers(pl_module)) | set(self._attention(pl_module))
             self._swap(trainer, pl_module, lambda: prepare_qat(pl_module, self.config, self.filter_fn))
             if self.filter_fn is not None:
-                self._owned = (self._owned or set()) | (set(self._quant_layers(pl_module)) - before)
+                now = set(self._quant_layers(pl_module)) | set(self._attention(pl_module))
+                self._owned = (self._owned or set()) | (now - before)
             new = [p for p in pl_module.parameters() if id(p) not in before_params and p.requires_grad]
             if new and not in_setup and trainer.optimizers:
                 self._add_param_group(trainer, new)
@@ -373,9 +374,11 @@ class IntQAT(Callback):
                         "intqat.prepare_qat on the model before training"
                     )
                 fake = {f for f, m in layers.items() if isinstance(m, FAKE_QUANT_TYPES)}
+                fake |= {f for f, m in self._attention(pl_module, owned=True).items()
+                         if isinstance(m, FakeQuantMultiheadAttention)}
                 if fake:  # (to_integer would prepare a model that has no fake-quant layer at all)
                     self._swap(trainer, pl_module, lambda: to_integer(pl_module, filter_fn=lambda m, n: n in fake))
-            for m in layers.values():
+            for m in [*layers.values(), *self._attention(pl_module, owned=True).values()]:
                 if stage == "freeze_bn":
                     freeze_bn_stats(m)
                 elif stage == "freeze_observers":
@@ -422,6 +425,11 @@ class IntQAT(Callback):
 
     def _quant_layers(self, pl_module: LightningModule) -> dict[str, nn.Module]:
         return {f: m for f, m in pl_module.named_modules() if isinstance(m, _QUANT)}
+
+    def _attention(self, pl_module: LightningModule, owned: bool = False) -> dict[str, nn.Module]:
+        """Quantized attention modules (several projections each: kept apart from the per-layer metrics)."""
+        return {f: m for f, m in pl_module.named_modules() if isinstance(m, ATTENTION_TYPES)
+                and (not owned or self._owned is None or f in self._owned)}
 
     def _owned_layers(self, pl_module: LightningModule) -> dict[str, nn.Module]:
         layers = self._quant_layers(pl_module)

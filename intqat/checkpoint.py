@@ -50,9 +50,10 @@ _SAVING = "lightning.pytorch.core.saving"
 
 
 def _quant_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
-    from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES
+    """(fake-quant, integer) module types a checkpoint records: the layers and the attention modules."""
+    from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES, FakeQuantMultiheadAttention, IntMultiheadAttention
 
-    return FAKE_QUANT_TYPES, INTEGER_TYPES
+    return FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,), INTEGER_TYPES + (IntMultiheadAttention,)
 
 
 # -- the record ----------------------------------------------------------------------------------
@@ -66,12 +67,15 @@ def layer_record(m: nn.Module) -> dict[str, Any]:
     """
     _, integer = _quant_types()
     rec: dict[str, Any] = {"kind": "integer" if isinstance(m, integer) else "fake"}
+    # attention (intqat.nn.attention): one config for all its projections, read from the query's
+    weight_q = getattr(m, "weight_quantizer", None) or getattr(m, "in_proj_weight_quantizer", None) or m.q_proj_weight_quantizer
+    input_q = getattr(m, "input_quantizer", None) or getattr(m, "q_input_quantizer", None)
     for f in fields(QuantConfig):
         if f.name == "weight":
-            rec[f.name] = asdict(m.weight_quantizer.spec)
+            rec[f.name] = asdict(weight_q.spec)
         elif f.name == "activation":
             # embeddings (intqat.nn.embedding) have no input quantizer: None marks an embedding's record
-            rec[f.name] = asdict(m.input_quantizer.spec) if hasattr(m, "input_quantizer") else None
+            rec[f.name] = asdict(input_q.spec) if input_q is not None else None
         elif f.name != "embedding" and hasattr(m, f.name):
             rec[f.name] = getattr(m, f.name)
     return rec
