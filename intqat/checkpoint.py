@@ -76,7 +76,9 @@ def layer_record(m: nn.Module) -> dict[str, Any]:
         elif f.name == "activation":
             # embeddings (intqat.nn.embedding) have no input quantizer: None marks an embedding's record
             rec[f.name] = asdict(input_q.spec) if input_q is not None else None
-        elif f.name != "embedding" and hasattr(m, f.name):
+        elif f.name == "embedding":  # an embedding's spec is its weight's; other layers have none
+            rec[f.name] = asdict(weight_q.spec) if input_q is None else None
+        elif hasattr(m, f.name):
             rec[f.name] = getattr(m, f.name)
     return rec
 
@@ -92,6 +94,7 @@ def _config_of(fqn: str, rec: Mapping) -> QuantConfig:
         )
     if kw.get("activation", {}) is None:  # an embedding: its weight spec is the config's embedding spec
         return QuantConfig(embedding=kw["weight"])
+    kw.pop("embedding", None)  # (a layer's config: embeddings are configured apart)
     return QuantConfig(**kw)
 
 
