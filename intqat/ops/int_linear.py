@@ -31,7 +31,7 @@ from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.masks import pack_mask, unpack_mask
-from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange
 
@@ -283,15 +283,9 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
             else:
                 grad_x = _mask_zero_(grad_xhat, mask_x)
         if ctx.x_lsq:
-            m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
-            gf = lsq_grad_factor(q_x.numel(), x_qmax)
-            s = s_x.reshape(())
-            if need_sx:
-                ds = lsq_scale_grad_elem(q_x, m, x.to(torch.float32), s, z_x.reshape(()), x_qmin, x_qmax)
-                grad_sx = ((grad_xhat * ds).sum() * gf).reshape(ctx.x_scale_shape)
-            if need_zx:
-                # LSQ+: d x_hat / d z = 0 inside the range, -s outside
-                grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(ctx.x_zero_point_shape)
+            grad_sx, grad_zx = activation_lsq_grads(grad_xhat, q_x, mask_x, x, s_x, z_x, x_qmin, x_qmax, need_sx, need_zx)
+            grad_sx = None if grad_sx is None else grad_sx.reshape(ctx.x_scale_shape)
+            grad_zx = None if grad_zx is None else grad_zx.reshape(ctx.x_zero_point_shape)
     if need_w or need_sw:
         if fused_ste is not None:
             grad_w, grad_sw_raw = fused_ste.ste_grad_weight(

@@ -37,7 +37,7 @@ from torch import Tensor
 from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
-from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
@@ -249,14 +249,9 @@ def _backward(ctx, g, *_unused):
         grad_xhat = g @ dequantize_weight_grouped(q_w, s_w)
         grad_x = torch.where(mask_x, grad_xhat, 0.0) if mask_x.numel() else grad_xhat
         if ctx.x_lsq:
-            m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
-            gf = lsq_grad_factor(q_x.numel(), x_qmax)
-            s = s_x.reshape(())
-            if need_sx:
-                ds = lsq_scale_grad_elem(q_x, m, x.to(torch.float32), s, z_x.reshape(()), x_qmin, x_qmax)
-                grad_sx = ((grad_xhat * ds).sum() * gf).reshape(sx_shape)
-            if need_zx:  # LSQ+: d x_hat / d z = 0 inside the range, -s outside
-                grad_zx = (-(grad_xhat * ~m).sum() * s * gf).reshape(zx_shape)
+            grad_sx, grad_zx = activation_lsq_grads(grad_xhat, q_x, mask_x, x, s_x, z_x, x_qmin, x_qmax, need_sx, need_zx)
+            grad_sx = None if grad_sx is None else grad_sx.reshape(sx_shape)
+            grad_zx = None if grad_zx is None else grad_zx.reshape(zx_shape)
     if need_w or need_sw:
         # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x      (N, M) @ (M, K) -> (N, K)
         if digits_pay(*q_x.shape, q_w.shape[0], grad="w"):

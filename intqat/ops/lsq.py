@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["lsq_grad_factor", "lsq_scale_grad_elem"]
+__all__ = ["lsq_grad_factor", "lsq_scale_grad_elem", "activation_lsq_grads"]
 
 
 def lsq_grad_factor(n: int, qmax: int) -> float:
@@ -33,3 +33,19 @@ def lsq_scale_grad_elem(q: Tensor, mask: Tensor, x: Tensor, s: Tensor, z: Tensor
     below = (q == qmin) & ~mask  # clipped from below: r < qmin
     outside = torch.where(below, qmin - zf, qmax - zf)
     return torch.where(mask, inside, outside)
+
+
+def activation_lsq_grads(grad_xhat: Tensor, q_x: Tensor, mask_x: Tensor, x: Tensor, s_x: Tensor, z_x: Tensor,
+                         qmin: int, qmax: int, need_s: bool, need_z: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(grad of the per-tensor activation scale, of its zero point) from grad_xhat = dL/dx_hat (M, K),
+    unmasked; mask_x empty: nothing clipped. Both scalars (reshape to the parameters' shapes)."""
+    m = mask_x if mask_x.numel() else torch.ones_like(q_x, dtype=torch.bool)
+    gf = lsq_grad_factor(q_x.numel(), qmax)
+    s = s_x.reshape(())
+    grad_s = grad_z = None
+    if need_s:
+        ds = lsq_scale_grad_elem(q_x, m, x.to(torch.float32), s, z_x.reshape(()), qmin, qmax)
+        grad_s = (grad_xhat * ds).sum() * gf
+    if need_z:  # LSQ+: d x_hat / d z = 0 inside the range, -s outside
+        grad_z = -(grad_xhat * ~m).sum() * s * gf
+    return grad_s, grad_z
