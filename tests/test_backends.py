@@ -265,3 +265,20 @@ def test_emulating_a_cpu_without_int8_dot_units():
     assert r.returncode == 0, r.stderr
     no_dot = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
     assert r.stdout.strip() == f"no int8 dot-product units ['{no_dot}'] False"
+
+
+def test_minmax_equals_torch_aminmax():
+    """The observer's one-pass (min, max): exact selections, NaN wherever torch.aminmax gives NaN."""
+    _runs_here("cpu_fused")
+    g = torch.Generator().manual_seed(9)
+    cases = [torch.randn(256, 1024, generator=g) * 3, torch.randn(7, generator=g), torch.tensor([5.0]),
+             torch.randn(3, 4, 5, generator=g).transpose(0, 2)]
+    bad = torch.randn(100, generator=g)
+    for v in (float("nan"), float("inf"), float("-inf")):
+        b = bad.clone()
+        b[37] = v
+        cases.append(b)
+    for x in cases:
+        want = [float(t) for t in torch.aminmax(x)]
+        got = list(backends.get("cpu_fused").minmax(x))
+        assert (got == want) or (all(v != v for v in got) and all(v != v for v in want)), (got, want)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantSpec
 from intqat.nn.fake_quantize import fake_quantize_ste
+from intqat.ops import backends
 from intqat.ops.int_linear import minmax_weight_scale
 from intqat.ops.qparams import SCALE_EPS, _f32, _scale_zero_point, row_absmax, scale_zero_point_scalar
 
@@ -153,7 +154,7 @@ class ActivationQuantizer(nn.Module):
                 or self.min_val.device.type != "cpu" or torch.compiler.is_compiling()
                 or torch.compiler.is_exporting() or (dist.is_available() and dist.is_initialized())):
             return None
-        lo, hi = (float(v) for v in torch.aminmax(x))
+        lo, hi = backends.select("minmax", x).minmax(x)  # one pass (C on plain CPU tensors: ~40x aminmax here)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return False  # NaN / inf: ignored
         if not self._initialized:

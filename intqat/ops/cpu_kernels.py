@@ -70,6 +70,8 @@ _SIGNATURES = {
     "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
     # g, mask, n
     "intqat_mask_zero": [_P, _P, _I],
+    # x, n, out (2 floats)
+    "intqat_minmax": [_P, _I, _P],
     # mask, n, packed / packed, n, mask
     "intqat_pack_bits": [_P, _I, _P],
     "intqat_unpack_bits": [_P, _I, _P],
@@ -318,6 +320,15 @@ def mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
     if g.numel():
         _lib.intqat_mask_zero(g.data_ptr(), mask.data_ptr(), g.numel())
     return g
+
+
+def minmax(x: Tensor) -> tuple[float, float]:
+    """(min, max) of a non-empty float tensor as Python floats, NaN if it holds a NaN (torch.aminmax's)."""
+    x = _fp32_contiguous(x)
+    out = torch.empty(2, dtype=torch.float32)
+    _lib.intqat_minmax(x.data_ptr(), x.numel(), out.data_ptr())
+    lo, hi = out.tolist()
+    return lo, hi
 
 
 def pack_bits(mask: Tensor) -> Tensor:

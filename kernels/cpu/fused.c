@@ -115,6 +115,23 @@ void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
     for (int64_t i = 0; i < n; ++i) g[i] = mask[i] ? g[i] : 0.0f;
 }
 
+/* (min, max) of x (n floats) in one pass, NaN if any element is NaN (as torch.aminmax): the activation
+ * observer's reduction at every training step. `v < lo ? v : lo` is exactly minps' semantics, so it
+ * vectorizes without -ffast-math; min / max select elements, so the result is exact. */
+void intqat_minmax(const float *x, int64_t n, float *out) {
+    float lo = INFINITY, hi = -INFINITY;
+    int nan = 0;
+#pragma omp parallel for simd reduction(min : lo) reduction(max : hi) reduction(| : nan) schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+        const float v = x[i];
+        nan |= v != v;
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+    }
+    out[0] = nan ? NAN : lo;
+    out[1] = nan ? NAN : hi;
+}
+
 /* STE clip masks as bits (intqat/ops/masks.py): bit i of byte j is mask[8 j + i]; n elements. */
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed) {
     const int64_t bytes = (n + 7) / 8;

@@ -108,6 +108,9 @@ class CpuFused(Backend):
     def mask_zero_(self, g, mask):
         return cpu_kernels.mask_zero_(g, mask)
 
+    def minmax(self, x):
+        return cpu_kernels.minmax(x)
+
     def pack_mask(self, mask):
         return cpu_kernels.pack_bits(mask)
 

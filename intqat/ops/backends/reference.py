@@ -67,6 +67,7 @@ class Reference(Backend):
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
         "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask", "linear_grouped",
+        "minmax",
     })
     traceable = True
 
@@ -167,6 +168,11 @@ class Reference(Backend):
     def mask_zero_(self, g, mask):
         """where(mask, g, 0) (a new tensor: tracers see no in-place update)."""
         return torch.where(mask, g, 0.0)
+
+    def minmax(self, x):
+        """(min, max) of a non-empty tensor as Python floats (NaN if it holds a NaN): the observer's reduction."""
+        lo, hi = torch.aminmax(x)
+        return float(lo), float(hi)
 
     def pack_mask(self, mask):
         from intqat.ops.masks import pack_mask_torch
