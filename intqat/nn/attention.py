@@ -169,7 +169,10 @@ def _attention(m, project, query, key, value, key_padding_mask, need_weights, at
         _B, _Nt, Eh = q.shape
         q_scaled = q * math.sqrt(1.0 / float(Eh))
         if is_causal and attn_mask is None:
-            raise AssertionError("FIXME: is_causal not implemented for need_weights")
+            # torch's own F.multi_head_attention_forward refuses this combination the same way (it raises
+            # AssertionError "FIXME: is_causal not implemented for need_weights"): same semantics, clearer words
+            raise AssertionError("MultiheadAttention: is_causal=True needs attn_mask when need_weights=True "
+                                 "(torch's nn.MultiheadAttention refuses it too); pass the causal attn_mask")
         if attn_mask is not None:
             weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
         else:
