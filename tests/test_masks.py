@@ -72,3 +72,41 @@ def test_the_c_pass_packs_the_same_bits_as_torch():
         assert ran[("pack_mask", "cpu_fused")] == 1 and ran[("unpack_mask", "cpu_fused")] == 1
         assert torch.equal(packed, pack_mask_torch(mask)) and torch.equal(back, unpack_mask_torch(packed, shape))
         assert torch.equal(back, mask)
+
+
+@pytest.mark.parametrize("n", [0, 5, 8, 16, 17, 33 * 65])
+def test_the_mask_applied_from_its_bits_equals_torch_where(n):
+    """The backward's mask pass straight from the bits (primitive mask_zero_packed_): where(mask, g, 0)
+    bit for bit, cleared NaN / inf / -0.0 included, at every tail length (n % 8, n % 16)."""
+    from intqat.ops import backends
+
+    g = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=g)
+    grad[:: 7] = float("nan")
+    grad[3:: 11] = float("inf")
+    grad[5:: 13] = -0.0
+    mask = torch.rand(n, generator=g) < 0.5
+    packed = pack_mask(mask)
+    want = torch.where(mask, grad, 0.0)
+    names = ["reference"] + ([] if backends.unavailable("cpu_fused") else ["cpu_fused"])
+    for name in names:
+        with backends.use_backend(name), backends.recording() as ran:
+            got = backends.select("mask_zero_packed_", grad, packed).mask_zero_packed_(grad.clone(), packed)
+        assert ran[("mask_zero_packed_", name)] == 1
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name  # the bits, NaN and -0.0 too
+
+
+def test_odd_shaped_layer_gradients_with_packed_masks_equal_the_bool_mask_formula():
+    """Rows whose length is not a multiple of 8 or 16: the bits straddle rows, the gradients do not notice."""
+    from intqat.ops import dequantize, quantize_with_mask
+
+    M, K, N = 7, 13, 5
+    x, W, b, s_x, z_x, s_w = _static_layer(M, K, N, seed=2)
+    y = int_linear(x, W, b, s_x, z_x, s_w, grad_gemm="fp32")
+    g = torch.randn(M, N)
+    gx, gw = torch.autograd.grad(y, [x, W], g)
+    q_x, mask_x = quantize_with_mask(x.detach(), s_x, z_x.to(torch.int32), -128, 127)
+    q_w, mask_w = quantize_with_mask(W.detach(), s_w, 0, -127, 127, axis=0)
+    assert not mask_x.all() and not mask_w.all()
+    assert torch.equal(gx, torch.where(mask_x, g @ dequantize(q_w, s_w, 0, axis=0), 0.0))
+    assert torch.equal(gw, torch.where(mask_w, g.t() @ dequantize(q_x, s_x, z_x.to(torch.int32)), 0.0))

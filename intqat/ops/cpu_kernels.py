@@ -45,6 +45,7 @@ __all__ = [
     "quantize_rows_dynamic",
     "fake_quantize_rows",
     "mask_zero_",
+    "mask_zero_bits_",
     "epilogue",
     "dequantize_rows",
     "split_digits",
@@ -68,8 +69,9 @@ _SIGNATURES = {
     "intqat_fake_quantize_rows": [_P, _I, _I, _P, _I, _F, _F, _F, _P, _P],
     # x, rows, cols, qmin, qmax, eps, out, scale, rowsum
     "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
-    # g, mask, n
+    # g, mask, n / g, packed mask bits, n
     "intqat_mask_zero": [_P, _P, _I],
+    "intqat_mask_zero_bits": [_P, _P, _I],
     # x, n, out (2 floats)
     "intqat_minmax": [_P, _I, _P],
     # mask, n, packed / packed, n, mask
@@ -319,6 +321,15 @@ def mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
     mask = mask.contiguous()
     if g.numel():
         _lib.intqat_mask_zero(g.data_ptr(), mask.data_ptr(), g.numel())
+    return g
+
+
+def mask_zero_bits_(g: Tensor, packed: Tensor) -> Tensor:
+    """In place: g = where(unpack_bits(packed, g.shape), g, 0) for contiguous fp32 g, without the bool mask."""
+    if g.dtype != torch.float32 or not g.is_contiguous() or packed.numel() != (g.numel() + 7) // 8:
+        return g.copy_(torch.where(unpack_bits(packed, g.shape), g, 0.0))
+    if g.numel():
+        _lib.intqat_mask_zero_bits(g.data_ptr(), packed.contiguous().data_ptr(), g.numel())
     return g
 
 

@@ -254,8 +254,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
         return (None,) * 14
-    q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
-    mask_x, mask_w = (unpack_mask(m, shape) if m.numel() else m for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
+    q_x, bits_x, q_w, bits_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
+    # the clip masks stay bits where the plain fp32 path applies them (`_mask_zero_bits_`); the digit GEMM,
+    # Triton and the LSQ terms take them as bool tensors (unpacked here, empty when nothing clips)
+    mask_x, mask_w = (_Mask(b, shape) for b, shape in zip((bits_x, bits_w), ctx.mask_shapes))
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)
@@ -266,54 +268,55 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
 
     if need_x or need_sx or need_zx:
         if fused_ste is not None:
-            grad_x, grad_xhat = fused_ste.ste_grad_input(g, q_w, w_scale, mask_x if mask_x.numel() else None)
+            grad_x, grad_xhat = fused_ste.ste_grad_input(g, q_w, w_scale, mask_x.bool() if mask_x else None)
         elif int8x3 and digits_pay(M, K, N, grad="x"):
             # grad_xhat = (g * s_w) @ q_w on the int8 units (digit_gemm); the mask is applied in the
             # same pass unless the LSQ terms below need grad_xhat unmasked
-            fuse = mask_x.numel() and not ctx.x_lsq
-            grad_xhat = digit_matmul(g, w_scale, q_w, 0, mask_x if fuse else None)
-            grad_x = grad_xhat if (fuse or not mask_x.numel()) else torch.where(mask_x, grad_xhat, 0.0)
+            fuse = mask_x and not ctx.x_lsq
+            grad_xhat = digit_matmul(g, w_scale, q_w, 0, mask_x.bool() if fuse else None)
+            grad_x = grad_xhat if (fuse or not mask_x) else torch.where(mask_x.bool(), grad_xhat, 0.0)
         else:
             # grad_xhat = g @ w_hat, w_hat = q_w * s_w[n]    (M, N) @ (N, K) -> (M, K), one pass to make w_hat
             grad_xhat = g @ _dequantized(q_w, w_scale, 0, per_row=True, role="w_hat")
-            if not mask_x.numel():
+            if not mask_x:
                 grad_x = grad_xhat
             elif ctx.x_lsq:  # the LSQ terms below still need grad_xhat unmasked
-                grad_x = torch.where(mask_x, grad_xhat, 0.0)
+                grad_x = torch.where(mask_x.bool(), grad_xhat, 0.0)
             else:
-                grad_x = _mask_zero_(grad_xhat, mask_x)
+                grad_x = _mask_zero_bits_(grad_xhat, mask_x.bits)
         if ctx.x_lsq:
-            grad_sx, grad_zx = activation_lsq_grads(grad_xhat, q_x, mask_x, x, s_x, z_x, x_qmin, x_qmax, need_sx, need_zx)
+            grad_sx, grad_zx = activation_lsq_grads(grad_xhat, q_x, mask_x.bool(), x, s_x, z_x, x_qmin, x_qmax,
+                                                    need_sx, need_zx)
             grad_sx = None if grad_sx is None else grad_sx.reshape(ctx.x_scale_shape)
             grad_zx = None if grad_zx is None else grad_zx.reshape(ctx.x_zero_point_shape)
     if need_w or need_sw:
         if fused_ste is not None:
             grad_w, grad_sw_raw = fused_ste.ste_grad_weight(
-                g, q_x, s_x.reshape(-1), z_x, mask_w if mask_w.numel() else None,
+                g, q_x, s_x.reshape(-1), z_x, mask_w.bool() if mask_w else None,
                 weight if need_sw else None, w_scale if need_sw else None, w_qmin, w_qmax,
                 lsq_grad_factor(q_w.shape[1], w_qmax),
             )
             grad_what = None
         elif int8x3 and digits_pay(M, K, N, grad="w"):
             # grad_what = (g * s_x)ᵀ @ (q_x - z_x) on the int8 units; mask fused unless LSQ needs it unmasked
-            fuse = mask_w.numel() and not need_sw
-            grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x, mask_w if fuse else None)
-            grad_w = grad_what if (fuse or not mask_w.numel()) else torch.where(mask_w, grad_what, 0.0)
+            fuse = mask_w and not need_sw
+            grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x, mask_w.bool() if fuse else None)
+            grad_w = grad_what if (fuse or not mask_w) else torch.where(mask_w.bool(), grad_what, 0.0)
         else:
             # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x     (N, M) @ (M, K) -> (N, K)
             x_hat = _dequantized(q_x, s_x.reshape(-1), z_x, per_row=s_x.numel() > 1, role="x_hat")
             grad_what = g.t() @ x_hat
-            if not mask_w.numel():
+            if not mask_w:
                 grad_w = grad_what
             elif need_sw:
-                grad_w = torch.where(mask_w, grad_what, 0.0)
+                grad_w = torch.where(mask_w.bool(), grad_what, 0.0)
             else:
-                grad_w = _mask_zero_(grad_what, mask_w)
+                grad_w = _mask_zero_bits_(grad_what, mask_w.bits)
         if need_sw:
             if fused_ste is not None:
                 grad_sw = grad_sw_raw.reshape(ctx.w_scale_shape)
             else:
-                m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
+                m = mask_w.bool() if mask_w else torch.ones_like(q_w, dtype=torch.bool)
                 s = w_scale.reshape(-1, 1)
                 ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), s, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
                 gf = lsq_grad_factor(q_w.shape[1], w_qmax)
@@ -332,9 +335,28 @@ def _dequantized(q: Tensor, scale: Tensor, z, per_row: bool, role: str) -> Tenso
     return b.dequantize_rows(q, scale, 0.0 if isinstance(z, int) else float(z.reshape(())), per_row, scratch=role)
 
 
-def _mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
-    """where(mask, g, 0), in place on g (a fresh matmul result)."""
-    return backends.select("mask_zero_", g, mask).mask_zero_(g, mask)
+class _Mask:
+    """A clip mask saved as bits (`pack_mask`); false when nothing clips (saved empty). `.bool()` unpacks
+    it once, for the consumers that take a bool tensor."""
+
+    __slots__ = ("bits", "shape", "_bool")
+
+    def __init__(self, bits: Tensor, shape: torch.Size):
+        self.bits, self.shape, self._bool = bits, shape, None
+
+    def __bool__(self) -> bool:
+        return bool(self.bits.numel())  # (a SymInt under dynamic shapes: bool() guards on it, as before)
+
+    def bool(self) -> Tensor:
+        if self._bool is None:
+            self._bool = unpack_mask(self.bits, self.shape)
+        return self._bool
+
+
+def _mask_zero_bits_(g: Tensor, bits: Tensor) -> Tensor:
+    """where(mask, g, 0) with the mask still as bits, in place on g (a fresh matmul result) where the
+    backend can (one pass, no bool tensor)."""
+    return backends.select("mask_zero_packed_", g, bits).mask_zero_packed_(g, bits)
 
 
 torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_setup_context)

@@ -14,6 +14,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "epilogue.h" /* epilogue_row */
 
@@ -132,20 +136,66 @@ void intqat_minmax(const float *x, int64_t n, float *out) {
     out[1] = nan ? NAN : hi;
 }
 
-/* STE clip masks as bits (intqat/ops/masks.py): bit i of byte j is mask[8 j + i]; n elements. */
+/* STE clip masks as bits (intqat/ops/masks.py): bit i of byte j is mask[8 j + i]; n elements.
+ * Eight mask bytes at a time: a bool byte is 0 or 1, so the eight of them as one little-endian uint64
+ * hold the bits at 0, 8, ..., 56, and the multiply by _GATHER (masks.py: the same constant) moves bit
+ * 8 i to bit 56 + i with every cross term below bit 56 or past bit 63. */
+#define MASK_GATHER 0x0102040810204080ULL
+#define MASK_LOW_BITS 0x0101010101010101ULL
+
+static inline uint64_t load_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed) {
-    const int64_t bytes = (n + 7) / 8;
+    const int64_t full = n / 8;
     OMP_FOR
-    for (int64_t j = 0; j < bytes; ++j) {
+    for (int64_t j = 0; j < full; ++j)
+        packed[j] = (uint8_t)(((load_u64(mask + 8 * j) & MASK_LOW_BITS) * MASK_GATHER) >> 56);
+    if (n % 8) {
         uint8_t b = 0;
-        for (int i = 0; i < 8 && 8 * j + i < n; ++i) b |= (uint8_t)((mask[8 * j + i] != 0) << i);
-        packed[j] = b;
+        for (int64_t k = 8 * full; k < n; ++k) b |= (uint8_t)((mask[k] != 0) << (k - 8 * full));
+        packed[full] = b;
+    }
+}
+
+/* spread[b] = the 8 bool bytes of the bits of b: unpacking is one table load and one 8-byte store a byte. */
+static uint64_t spread[256];
+
+__attribute__((constructor)) static void fill_spread(void) {
+    for (int b = 0; b < 256; ++b) {
+        uint64_t v = 0;
+        for (int i = 0; i < 8; ++i) v |= (uint64_t)((b >> i) & 1) << (8 * i);
+        spread[b] = v;
     }
 }
 
 void intqat_unpack_bits(const uint8_t *packed, int64_t n, uint8_t *mask) {
+    const int64_t full = n / 8;
     OMP_FOR
-    for (int64_t k = 0; k < n; ++k) mask[k] = (packed[k >> 3] >> (k & 7)) & 1;
+    for (int64_t j = 0; j < full; ++j) memcpy(mask + 8 * j, &spread[packed[j]], 8);
+    for (int64_t k = 8 * full; k < n; ++k) mask[k] = (packed[k >> 3] >> (k & 7)) & 1;
+}
+
+/* The straight-through mask from its bits, in place: g[k] = bit k ? g[k] : 0 (torch.where(mask, g, 0.0)
+ * with mask = unpack(packed)): the backward's mask pass without the bool tensor. A cleared element becomes
+ * +0.0 whatever it held (NaN too), as torch.where gives. */
+void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n) {
+    const int64_t pairs = n / 16;
+    OMP_FOR
+    for (int64_t j = 0; j < pairs; ++j) {
+        float *gj = g + 16 * j;
+#if defined(__AVX512F__)
+        const __mmask16 m = (__mmask16)(packed[2 * j] | (packed[2 * j + 1] << 8));
+        _mm512_storeu_ps(gj, _mm512_maskz_loadu_ps(m, gj));
+#else
+        const unsigned m = packed[2 * j] | (packed[2 * j + 1] << 8);
+        for (int i = 0; i < 16; ++i) gj[i] = (m >> i) & 1 ? gj[i] : 0.0f;
+#endif
+    }
+    for (int64_t k = 16 * pairs; k < n; ++k) g[k] = (packed[k >> 3] >> (k & 7)) & 1 ? g[k] : 0.0f;
 }
 
 /* The integer epilogue, acc (M, N) int32 -> y (M, N) fp32, row m with activation scale s_x[m * sx_stride]

@@ -18,6 +18,7 @@ The primitives (the same signature in every backend that implements them):
     quantize_rows / quantize_rows_dynamic / fake_quantize_rows / dequantize_rows / mask_zero_
                                              the elementwise passes (quant.py's formulas)
     pack_mask / unpack_mask                  clip masks as bits for backward (masks.py)
+    mask_zero_packed_(g, packed)             where(unpack_mask(packed), g, 0) straight from the bits
     ste_grad_input / ste_grad_weight         the whole STE backward GEMM with its mask (Triton)
 
 The plain-torch backend (`reference`) implements them all and is their definition: every other

@@ -108,6 +108,9 @@ class CpuFused(Backend):
     def mask_zero_(self, g, mask):
         return cpu_kernels.mask_zero_(g, mask)
 
+    def mask_zero_packed_(self, g, packed):
+        return cpu_kernels.mask_zero_bits_(g, packed)
+
     def minmax(self, x):
         return cpu_kernels.minmax(x)
 

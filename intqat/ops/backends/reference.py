@@ -66,7 +66,7 @@ class Reference(Backend):
     needs = "torch only (the definition; what tracers and exported programs see)"
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "pack_mask", "unpack_mask", "linear_grouped",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
         "minmax",
     })
     traceable = True
@@ -168,6 +168,12 @@ class Reference(Backend):
     def mask_zero_(self, g, mask):
         """where(mask, g, 0) (a new tensor: tracers see no in-place update)."""
         return torch.where(mask, g, 0.0)
+
+    def mask_zero_packed_(self, g, packed):
+        """where(unpack_mask(packed, g.shape), g, 0): the mask from its bits (masks.py), a new tensor."""
+        from intqat.ops.masks import unpack_mask_torch
+
+        return torch.where(unpack_mask_torch(packed, g.shape), g, 0.0)
 
     def minmax(self, x):
         """(min, max) of a non-empty tensor as Python floats (NaN if it holds a NaN): the observer's reduction."""
