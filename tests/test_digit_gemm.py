@@ -16,6 +16,7 @@ import intqat
 from intqat.config import resolve_config
 from intqat.ops import backends, cpu_kernels, int_linear
 from intqat.ops import digit_gemm
+from intqat.ops.cpu_features import int8_gemm_outpaces_fp32_8x
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay, split_digits
 
 needs_fused = pytest.mark.skipif(not cpu_kernels.available(), reason="fused CPU kernels need a C compiler")
@@ -178,12 +179,12 @@ def test_int_linear_digit_backward_matches_fp32_backward(dynamic, kernel_path):
     assert not torch.equal(gx8, gx32)  # grad_x really took the digit GEMM ...
     assert ((gx8 - gx32).norm() / gx32.norm()).item() < 1e-5  # ... and agrees to fp32 grade
     assert torch.equal(gx8 == 0, gx32 == 0)  # the same STE clip mask
-    if kernel_path == "amx":  # grad_w too, on the AMX kernel
-        assert digits_pay(M, K, N, grad="w")
+    # grad_w too on the AMX kernel, and through torch._int_mm where int8 runs ~8x fp32 (AMD Zen 5)
+    assert digits_pay(M, K, N, grad="w") == (kernel_path == "amx" or int8_gemm_outpaces_fp32_8x())
+    if digits_pay(M, K, N, grad="w"):
         assert not torch.equal(gw8, gw32)
         assert ((gw8 - gw32).norm() / gw32.norm()).item() < 1e-5
-    else:  # through torch._int_mm, grad_w stays an fp32 GEMM
-        assert not digits_pay(M, K, N, grad="w")
+    else:  # grad_w stays an fp32 GEMM
         assert torch.equal(gw8, gw32)
 
 
@@ -306,3 +307,21 @@ def test_digit_matmul_op_passes_opcheck(z):
     traced = torch.fx.experimental.proxy_tensor.make_fx(lambda a, s, q, m: digit_matmul(a, s, q, z, m))(a, s, q, mask)
     assert "intqat.digit_matmul" in str(traced.graph)
     assert torch.equal(traced(a, s, q, mask), digit_matmul(a, s, q, z, mask))
+
+
+@pytest.mark.parametrize("fast_int8", [True, False], ids=["int8-8x-fp32", "int8-4x-fp32"])
+def test_the_torch_int_mm_rule_of_each_cpu_class(fast_int8, monkeypatch):
+    """Both cpu_fused rules, whatever this CPU is: AMD Zen 5 (int8 ~8x fp32) takes both backward GEMMs
+    from 2^21 multiply-adds (grad_w only for 64 <= M <= 2 max(N, K)); the ~4x classes grad_x only, N >= 512."""
+    import intqat.ops.digit_gemm as dg
+
+    if backends.unavailable("cpu_fused") is not None:
+        pytest.skip(f"backend cpu_fused cannot run here: {backends.unavailable('cpu_fused')}")
+    monkeypatch.setattr(dg, "int8_gemm_outpaces_fp32_8x", lambda: fast_int8)
+    encoder_layers = [(256, 128, 384), (256, 128, 128), (256, 128, 512), (256, 512, 128)]  # BERT-tiny, 256 tokens
+    with backends.use_backend("cpu_fused"):
+        assert not dg.digits_pay(64, 128, 128, grad="x") and not dg.digits_pay(8, 128, 10, grad="x")  # < 2^21
+        assert all(dg.digits_pay(*s, grad="x") == (fast_int8 or s[2] >= 512) for s in encoder_layers)
+        assert all(dg.digits_pay(*s, grad="w") == fast_int8 for s in encoder_layers)
+        assert not dg.digits_pay(1024, 128, 128, grad="w") and not dg.digits_pay(32, 1024, 1024, grad="w")
+        assert dg.digits_pay(256, 1024, 1024, grad="w") == fast_int8

@@ -180,3 +180,20 @@ def test_triton_backend_matches_cpu():
     assert torch.all((y_tri - y_cpu).abs() <= ulp)
     for name, a, r in zip(["x", "W", "b", "s_x", "z_x", "s_w"], grads_tri, grads_cpu):
         assert _rel(a, r) < 1e-5, name
+
+
+def test_rounded_zero_point_eager_shortcut_equals_the_tensor_formula():
+    """The eager CPU path computes the zero point in Python floats: the same int32 as round -> clamp in torch
+    (ties to even, infinities and out-of-range values clamped, float64 input rounded to fp32 first)."""
+    from intqat.ops.int_linear import rounded_zero_point
+
+    values = [0.5, 1.5, 2.5, -0.5, -1.5, 127.5, -128.5, 300.0, -300.0, 3.0, float("inf"), float("-inf"),
+              float("nan"), 0.49999997, -2.5000002, 2.5000000001]
+    for v in values:
+        for dtype in (torch.float32, torch.float64, torch.int32):
+            if dtype == torch.int32 and (v != v or abs(v) == float("inf") or v != int(v)):
+                continue
+            t = torch.tensor([v], dtype=dtype)
+            want = torch.round(t.to(torch.float32)).clamp_(-128, 127).to(torch.int32)
+            got = rounded_zero_point(t, -128, 127)
+            assert got.dtype == torch.int32 and got.shape == (1,) and torch.equal(got, want), (v, dtype, got, want)

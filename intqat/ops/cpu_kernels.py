@@ -222,12 +222,21 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     pass that fills it; reusing one buffer per role removes them. Never return a scratch view to a
     caller, and never hold two views of one role at once.
     """
+    views = _scratch.__dict__.setdefault("views", {})
+    view = views.get((role, dtype, shape))  # the same view again: no slice / view call per use
+    if view is not None:
+        return view
     bufs = _scratch.__dict__.setdefault("bufs", {})
     n = math.prod(shape)
     buf = bufs.get((role, dtype))
     if buf is None or buf.numel() < n:
         buf = bufs[(role, dtype)] = torch.empty(n, dtype=dtype)
-    return buf[:n].view(shape)
+        for key in [k for k in views if k[:2] == (role, dtype)]:  # views of the old buffer: gone with it
+            del views[key]
+    if len(views) > 256:  # many shapes (a sweep): start over rather than grow without bound
+        views.clear()
+    view = views[(role, dtype, shape)] = buf[:n].view(shape)
+    return view
 
 
 def _round_up(n: int, multiple: int) -> int:

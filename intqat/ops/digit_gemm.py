@@ -3,7 +3,7 @@
 Why: int_linear's backward is two GEMMs of fp32 gradients with int8 codes,
     grad_x = (g * s_w) @ float(q_w)          (M, N) @ (N, K)
     grad_w = (g * s_x)ᵀ @ (float(q_x) - z_x)  (N, M) @ (M, K)
-and on this CPU an fp32 GEMM costs ~6x an int8 one: with the forward on the int8 units, the two
+and on CPUs with int8 dot units an fp32 GEMM costs 4x-9x an int8 one: with the forward on the int8 units, the two
 fp32 GEMMs are most of a training step. The codes are exact small integers; only the gradient
 side is fp32. Split it, per row, into three int8 digits on a power-of-two grid (the Ozaki scheme
 for exact matrix products, Ozaki et al. 2012, cut at three digits):
@@ -25,10 +25,13 @@ Two kernels compute the same bits:
 - elsewhere: the three planes stacked into one `torch._int_mm` call, whose (3R, K) int32 product is
   written out and read back by the combine (fused C kernels in kernels/cpu/fused.c).
 
-Where it pays (`digits_pay`, measured on this 2-core AMX CPU): with AMX, both backward GEMMs from
-M >= 128 and M*N*K >= 2^26 (at M=256, K=N=1024: grad_w 0.51x, grad_x 0.42x the fp32 GEMM's time;
-a batch of 32 is 1.2x-2.3x slower, its output write dominating). Through torch._int_mm (other CPUs
-with int8 dot-product units) only grad_x, from N >= 512 and M*N*K >= 2^24 (0.54x-0.78x at M=256):
+Where it pays (`digits_pay`, per CPU class): with AMX (measured on a 2-core 4th-gen Xeon), both
+backward GEMMs from M >= 128 and M*N*K >= 2^26 (at M=256, K=N=1024: grad_w 0.51x, grad_x 0.42x the
+fp32 GEMM's time; a batch of 32 is 1.2x-2.3x slower, its output write dominating). Through
+torch._int_mm on AMD Zen 5 with AVX-512 VNNI (int8 ~8x fp32's rate there: MKL's fp32 GEMM runs its
+AVX2 path on AMD), both from M*N*K >= 2^21 (grad_w with 64 <= M <= 2 max(N, K)): a BERT-tiny layer
+(M=256, K=128, N=384) 0.59x / 0.73x. Other CPUs with int8 dot units (int8 ~4x fp32): only grad_x,
+from N >= 512 and M*N*K >= 2^24 (0.54x-0.78x at M=256, measured on the Xeon through torch._int_mm):
 grad_w's contraction is the batch, where the 3x larger int32 output made it slower than fp32.
 `grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of NUMERICS.md.
 Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
@@ -46,6 +49,7 @@ from torch import Tensor
 
 from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
+from intqat.ops.cpu_features import int8_gemm_outpaces_fp32_8x
 
 __all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
 
@@ -67,20 +71,27 @@ def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
 
     grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). Asks the backend that
     would run `digit_matmul` eagerly on CPU tensors (`intqat.ops.backends`); the thresholds are properties of
-    each backend's kernels against an fp32 GEMM on the same CPU class:
+    each backend's kernels against an fp32 GEMM on the same CPU class (the fp32 side includes the pass
+    that dequantizes its int8 operand, the digit side the split and the combine):
     - amx (AMX tiles): both pay from M >= 128 and M*N*K >= 2^26 (0.5x-0.75x of fp32 at M=256;
-      up to 2.3x slower at M=32, where the output write dominates);
-    - cpu_fused (torch._int_mm on VNNI / Arm dot units): only grad_x, from N >= 512 and
-      M*N*K >= 2^24 (grad_w's 3x larger int32 output made it slower than fp32);
+      up to 2.3x slower at M=32, where the output write dominates); measured on a 4th-gen Xeon;
+    - cpu_fused where int8 GEMMs run ~8x fp32's rate (`int8_gemm_outpaces_fp32_8x`: AMD Zen 5 with
+      AVX-512 VNNI): grad_x from M*N*K >= 2^21 (0.42x-0.87x of fp32 from 128^3 up, 1 thread);
+      grad_w also needs 64 <= M <= 2 max(N, K): its contraction is the batch, and a long one (M = 1024,
+      N = K = 128: 1.19x) or a short one (M = 32: 1.08x) spends more on the split than it saves;
+    - cpu_fused elsewhere (Intel VNNI, Zen 4, Arm dot units: int8 ~4x fp32's rate): only grad_x, from
+      N >= 512 and M*N*K >= 2^24 (grad_w's 3x larger int32 output made it slower than fp32);
     - anything else (no int8 dot-product units: the digits would be three fp32 GEMMs): never.
     """
-    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32 or M * N * K < 2**24:
-        return False  # (no backend's digit GEMM pays below 2^24 multiply-adds)
+    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32 or M * N * K < 2**21:
+        return False  # (no backend's digit GEMM pays below 2^21 multiply-adds)
     # the run-time choice: traced (compile's backward graph) the GEMM is the opaque intqat::digit_matmul,
     # which runs the eager kernels, so the traced graph must decide as eager does
     b = backends.select("digit_matmul", record=False, at_run_time=True)
     if b.name == "amx":
         return M >= 128 and M * N * K >= 2**26
+    if b.name == "cpu_fused" and int8_gemm_outpaces_fp32_8x():
+        return grad == "x" or 64 <= M <= 2 * max(N, K)
     if b.name == "cpu_fused":
         return grad == "x" and N >= 512 and M * N * K >= 2**24
     return False

@@ -58,8 +58,18 @@ def _no_mask(like: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
+_EXACT_IN_FP32 = (torch.float32, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def rounded_zero_point(zero_point: Tensor, qmin: int, qmax: int) -> Tensor:
     """A learnable (float) zero point as the integer the hardware uses: round, clamp -> int32 (1,)."""
+    if zero_point.numel() == 1 and zero_point.dtype in _EXACT_IN_FP32 and backends.eager_cpu((zero_point,)):
+        # eager CPU (every training step): the same value in Python, one tensor op instead of five.
+        # float() of an fp32 / small-integer value is exact; clamping to integer bounds commutes with
+        # rounding; round() is half-to-even, as torch.round
+        z = float(zero_point)
+        if z == z:  # (NaN: the tensor ops below give what torch gives)
+            return torch.tensor([round(min(max(z, qmin), qmax))], dtype=torch.int32)
     return torch.round(zero_point.detach().reshape(1).to(torch.float32)).clamp_(qmin, qmax).to(torch.int32)
 
 
