@@ -58,6 +58,7 @@ __all__ = [
     "int16_gemm_available",
     "int16_gemm",
     "int16_linear",
+    "int16_linear_grouped",
     "grouped_vnni_available",
     "grouped_linear",
 ]
@@ -104,6 +105,8 @@ _SIGNATURES = {
     "intqat_grouped_linear_f32": [_P, _I, _I, _I, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
     # q_x, M, K, q_w, N, z_x, colsum, s_x, sx_stride, s_w, bias, a pack, b pack, y
     "intqat_int16_linear": [_P, _I, _I, _P, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P, _P, _P],
+    # q_x, M, K, q_w, N, gs, z, swt, Np, s_x, sx_stride, bias, ap, bp, y
+    "intqat_int16_linear_grouped": [_P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _I, _P, _I, _P, _P, _P, _P],
 }
 
 _lock = threading.Lock()
@@ -561,6 +564,28 @@ def int16_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x:
         _lib.intqat_int16_linear(q_x.data_ptr(), M, K, q_w.data_ptr(), N, int(z_x), _ptr(cs), s_x.data_ptr(),
                                  1 if s_x.numel() > 1 else 0, s_w.data_ptr(), _ptr(b), ap.data_ptr(), bp.data_ptr(),
                                  y.data_ptr())
+    return y
+
+
+def int16_linear_grouped(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None) -> Tensor:
+    """The per-group forward (`grouped_reference`'s bits) on AVX2's vpmaddwd: each group's exact int32 sum
+    in registers, scaled and added in the K loop (kernels/cpu/int16_gemm.c). q_x (M, K), q_w (N, K) int8,
+    s_w (N, G) with an even group size K / G; s_x (M, 1) or one value. Call only if `int16_gemm_available()`."""
+    M, K = q_x.shape
+    N, G = s_w.shape
+    q_x, q_w = q_x.contiguous(), q_w.contiguous()
+    Np = _round_up(N, 16)
+    swt = torch.zeros(G, Np, dtype=torch.float32)
+    swt[:, :N] = s_w.detach().t()
+    s_x = _fp32_contiguous(s_x)
+    b = None if bias is None else _fp32_contiguous(bias)
+    ap = scratch("int16_a", (_round_up(M, 6) * K,), torch.int16)
+    bp = scratch("int16_b", (Np * K,), torch.int16)
+    y = torch.empty((M, N), dtype=torch.float32)
+    if M and N:
+        _lib.intqat_int16_linear_grouped(q_x.data_ptr(), M, K, q_w.data_ptr(), N, K // G, int(z), swt.data_ptr(), Np,
+                                         s_x.data_ptr(), 1 if s_x.numel() > 1 else 0, _ptr(b), ap.data_ptr(),
+                                         bp.data_ptr(), y.data_ptr())
     return y
 
 

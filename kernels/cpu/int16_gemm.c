@@ -26,7 +26,9 @@ int intqat_int16_gemm_available(void) { return 1; }
 
 enum { MR = 6, NR = 16 };
 
-static void pack_a(const int8_t *a, int64_t M, int64_t K, int64_t rs, int64_t cs, int64_t kp2, int16_t *ap) {
+/* a's codes minus z (0 for plain GEMMs; the activation zero point for the grouped forward: |a - z| <= 255,
+ * so a product with an int8 code is <= 2^15 and a vpmaddwd pair sum stays in int32) */
+static void pack_a(const int8_t *a, int64_t M, int64_t K, int64_t rs, int64_t cs, int64_t kp2, int32_t z, int16_t *ap) {
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < (M + MR - 1) / MR; ++p) {
         int16_t *dst = ap + p * kp2 * MR * 2;
@@ -34,7 +36,7 @@ static void pack_a(const int8_t *a, int64_t M, int64_t K, int64_t rs, int64_t cs
             for (int r = 0; r < MR; ++r)
                 for (int h = 0; h < 2; ++h) {
                     const int64_t m = p * MR + r, k = 2 * kp + h;
-                    *dst++ = (m < M && k < K) ? a[m * rs + k * cs] : 0;
+                    *dst++ = (m < M && k < K) ? (int16_t)(a[m * rs + k * cs] - z) : 0;
                 }
     }
 }
@@ -144,7 +146,7 @@ static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2
 static void int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b,
                        int64_t N, int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, const int16_out *out) {
     const int64_t kp2 = (K + 1) / 2, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
-    pack_a(a, M, K, a_rs, a_cs, kp2, ap);
+    pack_a(a, M, K, a_rs, a_cs, kp2, 0, ap);
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < panels_n; ++q) {
         int16_t *bq = bp + q * kp2 * NR * 2;
@@ -175,8 +177,79 @@ void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *
     const int16_out out = {NULL, y, z_x, colsum, s_x, sx_stride, s_w, bias};
     int16_gemm(q_x, M, K, K, 1, q_w, N, 1, K, ap, bp, &out);
 }
+/* The per-group forward (intqat/ops/int_linear_grouped.py; grouped_linear.c has the formulas):
+ *   acc_g[m, n] = sum_{k in group g} (q_x[m, k] - z) q_w[n, k]      exact int32, vpmaddwd as above
+ *   t[m, n]     = (((0 + p_0) + p_1) + ...) + p_{G-1},  p_g = float32(acc_g) * s_w[n, g]
+ *   y[m, n]     = t * s_x[m] (+ b[n])
+ * One float32 rounding per operation in this order (mul then add, no FMA): the reference's bits. The
+ * 6x16 tile keeps its 12 int32 accumulators in registers over a group, then scales and adds them into
+ * t, which stays in L1 (t in registers too would need 24 of AVX2's 16). gs must be even: a group is
+ * whole pairs of k. swt (G, Np): s_wᵀ padded to Np = N rounded up to 16. */
+static inline void kernel_6x16_grouped(const int16_t *ap, const int16_t *bp, int64_t kp2, int64_t gp,
+                                       const float *swt, int64_t Np, const float *sx, int64_t sx_stride,
+                                       const float *bias, float *y, int64_t N, int mr, int nr) {
+    float t[MR][NR];
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NR; ++j) t[r][j] = 0.0f;
+    const int32_t *a32 = (const int32_t *)ap;
+    for (int64_t g = 0; g < kp2 / gp; ++g) {
+        __m256i acc[MR][2];
+        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int64_t kp = 0; kp < gp; ++kp) {
+            const __m256i b0 = _mm256_loadu_si256((const __m256i *)bp);
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bp + 16));
+            bp += 32;
+            for (int r = 0; r < MR; ++r) {
+                const __m256i av = _mm256_set1_epi32(a32[r]);
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
+            }
+            a32 += MR;
+        }
+        const __m256 s0 = _mm256_loadu_ps(swt + g * Np), s1 = _mm256_loadu_ps(swt + g * Np + 8);
+        for (int r = 0; r < MR; ++r) {
+            const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), s0);
+            const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), s1);
+            _mm256_storeu_ps(t[r], _mm256_add_ps(_mm256_loadu_ps(t[r]), p0));
+            _mm256_storeu_ps(t[r] + 8, _mm256_add_ps(_mm256_loadu_ps(t[r] + 8), p1));
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nr; ++j) {
+            const float v = t[r][j] * sx[r * sx_stride];
+            y[r * N + j] = bias ? v + bias[j] : v;
+        }
+}
+
+/* q_x (M, K), q_w (N, K) row-major int8; group size gs (even, dividing K); z the activation zero point;
+ * s_x[m * sx_stride]; swt (G, Np) as above; bias (N,) or NULL; y (M, N). ap / bp: int16 scratch of
+ * (M rounded up to 6) * K and (N rounded up to 16) * K. */
+void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
+                                 int64_t gs, int32_t z, const float *swt, int64_t Np, const float *s_x,
+                                 int64_t sx_stride, const float *bias, int16_t *ap, int16_t *bp, float *y) {
+    const int64_t kp2 = K / 2, gp = gs / 2, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
+    pack_a(q_x, M, K, K, 1, kp2, z, ap);
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels_n; ++q) {
+        int16_t *bq = bp + q * kp2 * NR * 2;
+        pack_b_panel(q_w, K, N, 1, K, kp2, q, bq);
+        const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
+        for (int64_t p = 0; p < panels_m; ++p) {
+            const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
+            kernel_6x16_grouped(ap + p * kp2 * MR * 2, bq, kp2, gp, swt + q * NR, Np, s_x + p * MR * sx_stride,
+                                sx_stride, bias ? bias + q * NR : NULL, y + p * MR * N + q * NR, N, mr, nr);
+        }
+    }
+}
 #else
 int intqat_int16_gemm_available(void) { return 0; }
+void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
+                                 int64_t gs, int32_t z, const float *swt, int64_t Np, const float *s_x,
+                                 int64_t sx_stride, const float *bias, int16_t *ap, int16_t *bp, float *y) {
+    (void)q_x; (void)M; (void)K; (void)q_w; (void)N; (void)gs; (void)z; (void)swt; (void)Np; (void)s_x;
+    (void)sx_stride; (void)bias; (void)ap; (void)bp; (void)y;
+    abort(); /* never called: intqat_int16_gemm_available() says 0 */
+}
 void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
                          const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
                          const float *bias, int16_t *ap, int16_t *bp, float *y) {

@@ -54,9 +54,11 @@ class Avx2Int16(Backend):
         return cpu_kernels.int16_linear(q_x, q_w, z, None if z_x is None else colsum, s_x, s_w, bias)
 
     def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
-        """kernels/cpu/grouped_linear.c's exact fp32 multiply-adds of the codes (each group's sum an
-        integer <= group_size * 2^14 <= 2^24), scaled in the K loop; (per-group weights: fp32 units here too)."""
-        if not cpu_kernels.available() or s_x.numel() not in (1, q_x.shape[0]):
+        """Each group's exact int32 sum on vpmaddwd, scaled and added in the K loop (kernels/cpu/int16_gemm.c);
+        odd group sizes (not whole pairs of k): grouped_linear.c's exact fp32 multiply-adds of the codes."""
+        if s_x.numel() not in (1, q_x.shape[0]):
             return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
         z = 0 if z_x is None else int(z_x.reshape(()))
+        if (q_x.shape[1] // s_w.shape[1]) % 2 == 0:
+            return cpu_kernels.int16_linear_grouped(q_x, q_w, s_w, z, s_x, bias)
         return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=True)
