@@ -26,7 +26,7 @@ import torch
 
 from intqat.ops import cpu_kernels
 from intqat.ops import backends
-from intqat.ops.cpu_features import cpu_class, cpu_info
+from intqat.ops.cpu_features import cpu_class, cpu_info, int8_gemm_outpaces_fp32_8x
 
 __all__ = ["Timing", "time_interleaved", "speed_ratio", "machine_info", "machine_lines"]
 
@@ -115,6 +115,8 @@ def machine_info() -> dict:
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "fused_cpu_kernels": cpu_kernels.available(),
         "cpu_class": cpu_class(),
+        # which rule `digits_pay` applies to the backward GEMMs through torch._int_mm
+        "int8_8x_fp32": int8_gemm_outpaces_fp32_8x(),
         "backend_forced": backends.forced(),
         "backends_unavailable": {n: r for n, _, r in backends.summary() if r is not None},
     }
@@ -138,6 +140,9 @@ def machine_lines(info: dict | None = None) -> list[str]:
                      + (f"FORCED to {forced} (INTQAT_BACKEND) where it implements a primitive"
                         if forced else "chosen per call by the table (column 'backends': what ran)")
                      + f"; cannot run here: {off}")
+        if info.get("int8_8x_fp32"):
+            lines.append("backward digit GEMMs: the int8 ~8x fp32 rule (AMD Zen 5 with AVX-512 VNNI: both backward "
+                         "GEMMs from 2^21 multiply-adds; intqat.ops.digit_gemm.digits_pay)")
     if load is not None and load > 0.5 * info["cores"]:
         stall = (
             " With several torch threads a descheduled OpenMP thread also stalls every parallel region, which "
