@@ -21,7 +21,13 @@
 
 #include "epilogue.h" /* epilogue_row */
 
-#define OMP_FOR _Pragma("omp parallel for schedule(static)")
+/* Parallel over rows when the pass touches at least INTQAT_GRAIN elements, one thread below: torch's own
+ * grain for elementwise work (at::internal::GRAIN_SIZE), under which waking a second thread costs more
+ * than it saves (a BERT-tiny layer's passes are 1K-64K elements, ~10 of them per layer and step). Each
+ * element is computed the same way either way: the thread count never changes a bit of the result. */
+#define INTQAT_GRAIN 32768
+#define INTQAT_PRAGMA(x) _Pragma(#x)
+#define OMP_FOR_IF(work) INTQAT_PRAGMA(omp parallel for schedule(static) if ((work) >= INTQAT_GRAIN))
 
 /* One code: q = clamp(nearbyint(x * inv) + z, qmin, qmax) as float; r is the value before clamp. */
 static inline float round_shift(float x, float inv, float z) { return nearbyintf(x * inv) + z; }
@@ -32,7 +38,7 @@ static inline float clampf(float r, float lo, float hi) { return r < lo ? lo : (
  * int32 sum of each row's codes (the colsum of q_w that the zero-point correction needs). */
 void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                           float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum) {
-    OMP_FOR
+    OMP_FOR_IF(rows * cols)
     for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.0f / scale[i * scale_stride];
         const float *xi = x + i * cols;
@@ -60,7 +66,7 @@ void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const floa
  * optional clip mask: torch.fake_quantize_per_{tensor,channel}_affine in one pass. */
 void intqat_fake_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                                float z, float qmin, float qmax, float *out, uint8_t *mask) {
-    OMP_FOR
+    OMP_FOR_IF(rows * cols)
     for (int64_t i = 0; i < rows; ++i) {
         const float s = scale[i * scale_stride];
         const float inv = 1.0f / s;
@@ -85,7 +91,7 @@ void intqat_fake_quantize_rows(const float *x, int64_t rows, int64_t cols, const
  * The row is read twice, the second time from cache: one pass over memory. */
 void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
                                   int8_t *out, float *scale, int32_t *rowsum) {
-    OMP_FOR
+    OMP_FOR_IF(rows * cols)
     for (int64_t i = 0; i < rows; ++i) {
         const float *xi = x + i * cols;
         /* max |x| on the bit patterns: for non-negative floats the integer order is the float
@@ -115,7 +121,7 @@ void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, fl
 
 /* The straight-through mask, in place: g[i] = mask[i] ? g[i] : 0 (torch.where(mask, g, 0.0)). */
 void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
-    OMP_FOR
+    OMP_FOR_IF(n)
     for (int64_t i = 0; i < n; ++i) g[i] = mask[i] ? g[i] : 0.0f;
 }
 
@@ -125,7 +131,8 @@ void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
 void intqat_minmax(const float *x, int64_t n, float *out) {
     float lo = INFINITY, hi = -INFINITY;
     int nan = 0;
-#pragma omp parallel for simd reduction(min : lo) reduction(max : hi) reduction(| : nan) schedule(static)
+#pragma omp parallel for simd reduction(min : lo) reduction(max : hi) reduction(| : nan) schedule(static) \
+    if (n >= INTQAT_GRAIN)
     for (int64_t i = 0; i < n; ++i) {
         const float v = x[i];
         nan |= v != v;
@@ -151,7 +158,7 @@ static inline uint64_t load_u64(const uint8_t *p) {
 
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed) {
     const int64_t full = n / 8;
-    OMP_FOR
+    OMP_FOR_IF(n)
     for (int64_t j = 0; j < full; ++j)
         packed[j] = (uint8_t)(((load_u64(mask + 8 * j) & MASK_LOW_BITS) * MASK_GATHER) >> 56);
     if (n % 8) {
@@ -174,7 +181,7 @@ __attribute__((constructor)) static void fill_spread(void) {
 
 void intqat_unpack_bits(const uint8_t *packed, int64_t n, uint8_t *mask) {
     const int64_t full = n / 8;
-    OMP_FOR
+    OMP_FOR_IF(n)
     for (int64_t j = 0; j < full; ++j) memcpy(mask + 8 * j, &spread[packed[j]], 8);
     for (int64_t k = 8 * full; k < n; ++k) mask[k] = (packed[k >> 3] >> (k & 7)) & 1;
 }
@@ -184,7 +191,7 @@ void intqat_unpack_bits(const uint8_t *packed, int64_t n, uint8_t *mask) {
  * +0.0 whatever it held (NaN too), as torch.where gives. */
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n) {
     const int64_t pairs = n / 16;
-    OMP_FOR
+    OMP_FOR_IF(n)
     for (int64_t j = 0; j < pairs; ++j) {
         float *gj = g + 16 * j;
 #if defined(__AVX512F__)
@@ -202,7 +209,7 @@ void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n) {
  * (epilogue.h has the expression). */
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum,
                      const float *s_x, int64_t sx_stride, const float *s_w, const float *bias, float *y) {
-    OMP_FOR
+    OMP_FOR_IF(M * N)
     for (int64_t m = 0; m < M; ++m) epilogue_row(acc + m * N, N, z_x, colsum, s_x[m * sx_stride], s_w, bias, y + m * N);
 }
 
@@ -210,7 +217,7 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
  * a plain conversion float(q) (exact), which is what the backward's g @ float(q_w) needs. */
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out) {
-    OMP_FOR
+    OMP_FOR_IF(rows * cols)
     for (int64_t i = 0; i < rows; ++i) {
         const int8_t *qi = q + i * cols;
         float *oi = out + i * cols;
@@ -296,7 +303,7 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
     if (cs != 1) {
         /* a strided view (grad_w splits gᵀ): gather blocks of 16 rows into a contiguous buffer
          * first, reading 16 neighbouring floats at a time instead of one per cache line */
-#pragma omp parallel
+#pragma omp parallel if (R * C >= INTQAT_GRAIN)
         {
             float *buf = (float *)malloc(sizeof(float) * 16 * (size_t)(C ? C : 1));
 #pragma omp for schedule(static)
@@ -321,7 +328,7 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
         }
         return;
     }
-    OMP_FOR
+    OMP_FOR_IF(R * C)
     for (int64_t r = 0; r < R; ++r) split_into(a + r * rs, C, 1, col_scale, ss, digits, ld, plane, r, R, shift, rowsum);
 }
 
@@ -332,7 +339,7 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
 void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
                            int32_t z, const uint8_t *mask, float *out) {
     const int64_t plane = R * K;
-    OMP_FOR
+    OMP_FOR_IF(R * K)
     for (int64_t r = 0; r < R; ++r) {
         const int32_t *a0 = acc + r * K;
         combine_digit_row(a0, a0 + plane, a0 + 2 * plane, K, shift[r], rowsum ? (double)z * rowsum[r] : 0.0,
