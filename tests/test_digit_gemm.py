@@ -325,3 +325,23 @@ def test_the_torch_int_mm_rule_of_each_cpu_class(fast_int8, monkeypatch):
         assert all(dg.digits_pay(*s, grad="w") == fast_int8 for s in encoder_layers)
         assert not dg.digits_pay(1024, 128, 128, grad="w") and not dg.digits_pay(32, 1024, 1024, grad="w")
         assert dg.digits_pay(256, 1024, 1024, grad="w") == fast_int8
+
+
+@needs_fused
+def test_split_equals_the_torch_twin_at_every_exponent():
+    """The C split (float32 arithmetic where the row's grid 2^t fits float32, double for rows of
+    subnormals) gives the torch twin's digits, shifts and row sums, for rows whose largest element spans
+    float32's exponents (subnormal to 3e38), elements far below their row's largest, and ties."""
+    g = torch.Generator().manual_seed(5)
+    exps = torch.arange(-149, 128, 2, dtype=torch.float64)
+    a = (torch.randn(len(exps), 64, generator=g, dtype=torch.float64) * torch.exp2(exps).unsqueeze(1)).float()
+    a[:, 0] = torch.exp2(exps).float()  # each row's largest on a power of two
+    a[:, 1] = a[:, 0] * 2.0 ** -30  # far below the row's grid: zero digits
+    a[:, 2] = a[:, 0] * (1 + 2.0 ** -8) / 2 ** 7  # a tie on the second digit's grid
+    a[:, 3] = -a[:, 2]
+    a = torch.where(torch.isfinite(a), a, 0.0)
+    for col_scale in (torch.ones(64), torch.rand(64, generator=g) + 0.5):
+        got = cpu_kernels.split_digits(a, col_scale, need_rowsum=True)
+        want = split_digits(a, col_scale, need_rowsum=True)
+        for u, v in zip(got, want):
+            assert torch.equal(u, v)

@@ -267,14 +267,31 @@ static inline void split_row(const float *ar, int64_t C, int64_t cs, const float
         double p = ldexp(1.0, t);
         if ((double)amax * p >= 127.5) { t -= 1; p *= 0.5; }
         *shift = t;
-        for (int64_t c = 0; c < C; ++c) {
-            const double x = (double)(ar[c * cs] * col_scale[c * ss]) * p;
-            const double q0 = nearbyint(x);
-            const double r1 = (x - q0) * 128.0;
-            const double q1 = nearbyint(r1);
-            const double q2 = nearbyint((r1 - q1) * 128.0);
-            d0[c] = (int8_t)(int32_t)q0; d1[c] = (int8_t)(int32_t)q1; d2[c] = (int8_t)(int32_t)q2;
-            s0 += (int32_t)q0; s1 += (int32_t)q1; s2 += (int32_t)q2;
+        if (t <= 127) {
+            /* The same digits in float32, twice the SIMD width: x = v 2^t is exact (a power of two,
+             * |x| < 127.5; where it would fall below float32's normal range its digits are 0 either way),
+             * x - q0 and r1 - q1 are exact (Sterbenz: |x - q0| <= 1/2 on x's own grid), and the
+             * multiplications by 128 are exact. t > 127 (a row of subnormals) keeps the double path. */
+            const float pf = ldexpf(1.0f, t);
+            for (int64_t c = 0; c < C; ++c) {
+                const float x = (ar[c * cs] * col_scale[c * ss]) * pf;
+                const float q0 = nearbyintf(x);
+                const float r1 = (x - q0) * 128.0f;
+                const float q1 = nearbyintf(r1);
+                const float q2 = nearbyintf((r1 - q1) * 128.0f);
+                d0[c] = (int8_t)(int32_t)q0; d1[c] = (int8_t)(int32_t)q1; d2[c] = (int8_t)(int32_t)q2;
+                s0 += (int32_t)q0; s1 += (int32_t)q1; s2 += (int32_t)q2;
+            }
+        } else {
+            for (int64_t c = 0; c < C; ++c) {
+                const double x = (double)(ar[c * cs] * col_scale[c * ss]) * p;
+                const double q0 = nearbyint(x);
+                const double r1 = (x - q0) * 128.0;
+                const double q1 = nearbyint(r1);
+                const double q2 = nearbyint((r1 - q1) * 128.0);
+                d0[c] = (int8_t)(int32_t)q0; d1[c] = (int8_t)(int32_t)q1; d2[c] = (int8_t)(int32_t)q2;
+                s0 += (int32_t)q0; s1 += (int32_t)q1; s2 += (int32_t)q2;
+            }
         }
     }
     sums[0] = s0; sums[1] = s1; sums[2] = s2;
