@@ -40,12 +40,11 @@ def test_saved_bytes_of_a_static_w8a8_layer_are_under_0_3x_a_lean_fake_quant_lay
     assert nbytes <= (M * K + N * K) * (1 + 1 / 8) + 4 * N + 64
 
 
-def test_gradients_with_packed_masks_equal_the_bool_mask_formula():
+def _assert_gradients_follow_the_bool_masks(M, K, N, seed):
     """grad_x = (g @ w_hat) * mask_x, grad_w = (gᵀ @ x_hat) * mask_w, the masks from quantize_with_mask."""
     from intqat.ops import dequantize, quantize_with_mask
 
-    M, K, N = 64, 96, 48
-    x, W, b, s_x, z_x, s_w = _static_layer(M, K, N, seed=1)
+    x, W, b, s_x, z_x, s_w = _static_layer(M, K, N, seed=seed)
     y = int_linear(x, W, b, s_x, z_x, s_w, grad_gemm="fp32")
     g = torch.randn(M, N)
     gx, gw = torch.autograd.grad(y, [x, W], g)
@@ -56,6 +55,10 @@ def test_gradients_with_packed_masks_equal_the_bool_mask_formula():
     x_hat = dequantize(q_x, s_x, z_x.to(torch.int32))
     assert torch.equal(gx, torch.where(mask_x, g @ w_hat, 0.0))
     assert torch.equal(gw, torch.where(mask_w, g.t() @ x_hat, 0.0))
+
+
+def test_gradients_with_packed_masks_equal_the_bool_mask_formula():
+    _assert_gradients_follow_the_bool_masks(64, 96, 48, seed=1)
 
 
 def test_the_c_pass_packs_the_same_bits_as_torch():
@@ -98,15 +101,4 @@ def test_the_mask_applied_from_its_bits_equals_torch_where(n):
 
 def test_odd_shaped_layer_gradients_with_packed_masks_equal_the_bool_mask_formula():
     """Rows whose length is not a multiple of 8 or 16: the bits straddle rows, the gradients do not notice."""
-    from intqat.ops import dequantize, quantize_with_mask
-
-    M, K, N = 7, 13, 5
-    x, W, b, s_x, z_x, s_w = _static_layer(M, K, N, seed=2)
-    y = int_linear(x, W, b, s_x, z_x, s_w, grad_gemm="fp32")
-    g = torch.randn(M, N)
-    gx, gw = torch.autograd.grad(y, [x, W], g)
-    q_x, mask_x = quantize_with_mask(x.detach(), s_x, z_x.to(torch.int32), -128, 127)
-    q_w, mask_w = quantize_with_mask(W.detach(), s_w, 0, -127, 127, axis=0)
-    assert not mask_x.all() and not mask_w.all()
-    assert torch.equal(gx, torch.where(mask_x, g @ dequantize(q_w, s_w, 0, axis=0), 0.0))
-    assert torch.equal(gw, torch.where(mask_w, g.t() @ dequantize(q_x, s_x, z_x.to(torch.int32)), 0.0))
+    _assert_gradients_follow_the_bool_masks(7, 13, 5, seed=2)

@@ -104,22 +104,32 @@ typedef struct {
 } int16_out;
 
 /* c[r][j] = sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr, for the block at (m0, n0) */
-static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
-                               int64_t N, int64_t m0, int64_t n0, int mr, int nr) {
-    __m256i acc[MR][2];
+/* acc = the exact sums over `steps` pairs of k of the 6 x 16 block: A's pairs from *a32, B's from *bp
+ * (both advanced past them). 12 accumulators + 2 B vectors + 1 broadcast: AVX2's 16 registers. */
+static inline void madd_6x16(__m256i acc[MR][2], const int32_t **a32, const int16_t **bp, int64_t steps) {
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-    const int32_t *a32 = (const int32_t *)ap;
-    for (int64_t kp = 0; kp < kp2; ++kp) {
-        const __m256i b0 = _mm256_loadu_si256((const __m256i *)bp);
-        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bp + 16));
-        bp += 32;
+    const int32_t *a = *a32;
+    const int16_t *b = *bp;
+    for (int64_t kp = 0; kp < steps; ++kp) {
+        const __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+        const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 16));
+        b += 32;
         for (int r = 0; r < MR; ++r) {
-            const __m256i av = _mm256_set1_epi32(a32[r]);
+            const __m256i av = _mm256_set1_epi32(a[r]);
             acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
             acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
         }
-        a32 += MR;
+        a += MR;
     }
+    *a32 = a;
+    *bp = b;
+}
+
+static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
+                               int64_t N, int64_t m0, int64_t n0, int mr, int nr) {
+    __m256i acc[MR][2];
+    const int32_t *a32 = (const int32_t *)ap;
+    madd_6x16(acc, &a32, &bp, kp2);
     if (out->c && mr == MR && nr == NR) {
         int32_t *c = out->c + m0 * N + n0;
         for (int r = 0; r < MR; ++r) {
@@ -194,18 +204,7 @@ static inline void kernel_6x16_grouped(const int16_t *ap, const int16_t *bp, int
     const int32_t *a32 = (const int32_t *)ap;
     for (int64_t g = 0; g < kp2 / gp; ++g) {
         __m256i acc[MR][2];
-        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-        for (int64_t kp = 0; kp < gp; ++kp) {
-            const __m256i b0 = _mm256_loadu_si256((const __m256i *)bp);
-            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(bp + 16));
-            bp += 32;
-            for (int r = 0; r < MR; ++r) {
-                const __m256i av = _mm256_set1_epi32(a32[r]);
-                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
-                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
-            }
-            a32 += MR;
-        }
+        madd_6x16(acc, &a32, &bp, gp);
         const __m256 s0 = _mm256_loadu_ps(swt + g * Np), s1 = _mm256_loadu_ps(swt + g * Np + 8);
         for (int r = 0; r < MR; ++r) {
             const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), s0);
