@@ -307,3 +307,27 @@ def test_grouped_linear_forward_equals_the_reference(name, M, K, N, gs, dynamic,
     assert ran[("linear_grouped", name)] == 1
     want = backends.get("reference").linear_grouped(q_x, q_w, s_w, z_x, s_x, b)
     assert torch.equal(got, want)
+
+
+def test_an_avx2_only_build_of_the_kernels_gives_the_same_bits(tmp_path):
+    """This file's backend checks again with the kernels compiled as for an AVX2-only CPU
+    (INTQAT_KERNEL_MARCH=x86-64-v3: no AVX-512, no VNNI), in a fresh process and kernel cache: the code
+    paths a Zen 2/3 or Haswell build takes (AVX2 mask pass, vpmaddwd kernels, passes vectorized 8-wide)
+    run on this machine too, and must equal the reference."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64-v3 is an x86 build")
+    env = {**os.environ, "INTQAT_KERNEL_MARCH": "x86-64-v3", "INTQAT_CACHE_DIR": str(tmp_path)}
+    code = ("from intqat.ops import cpu_kernels as k; assert k.available() and k.int16_gemm_available(); "
+            "assert not k.grouped_vnni_available(); print(k.kernel_march())")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "x86-64-v3", r.stderr[-2000:]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "not avx2_only_build and not triton and not emulating"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " failed" not in r.stdout

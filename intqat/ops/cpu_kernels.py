@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops.cpu_features import cpu_info
+from intqat.ops.cpu_features import cpu_info, emulating_no_int8_dot
 
 __all__ = [
     "available",
@@ -59,6 +59,7 @@ __all__ = [
     "int16_gemm",
     "int16_linear",
     "int16_linear_grouped",
+    "kernel_march",
     "grouped_vnni_available",
     "grouped_linear",
 ]
@@ -133,10 +134,23 @@ def _cpu_id() -> str:
     return model + " " + " ".join(sorted(flags))
 
 
+def kernel_march() -> str:
+    """The -march the kernels are compiled for: $INTQAT_KERNEL_MARCH, else "native" (this CPU); under
+    INTQAT_EMULATE_NO_INT8_DOT=1 on x86 "x86-64-v3" (AVX2 + FMA, no AVX-512, no VNNI), so the emulation
+    also runs the elementwise passes as an AVX2-only CPU's build compiles them."""
+    march = os.environ.get("INTQAT_KERNEL_MARCH", "").strip()
+    if march:
+        return march
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return "x86-64-v3" if (x86 and emulating_no_int8_dot()) else "native"
+
+
 def _flag_sets() -> list[list[str]]:
     base = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-    native = ["-march=native"] + (["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else [])
-    return [base + native, base]  # the portable set if the tuned one does not compile
+    march = kernel_march()
+    tuned = [f"-march={march}"] + (
+        ["-mprefer-vector-width=512"] if march == "native" and platform.machine() in ("x86_64", "AMD64") else [])
+    return [base + tuned, base]  # the portable set if the tuned one does not compile
 
 
 def _cache_dir() -> Path:
