@@ -550,7 +550,7 @@ def int16_gemm(a: Tensor, b: Tensor) -> Tensor:
     M, K = a.shape
     N = b.shape[1]
     kp = K + (K & 1)
-    ap = scratch("int16_a", (_round_up(M, 6) * kp,), torch.int16)
+    ap = scratch("int16_a", (_round_up(M, 12) * kp,), torch.int16)
     bp = scratch("int16_b", (_round_up(N, 16) * kp,), torch.int16)
     c = torch.empty((M, N), dtype=torch.int32)
     if M and N:
@@ -567,7 +567,7 @@ def int16_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x:
     M, K = q_x.shape
     N = q_w.shape[0]
     kp = K + (K & 1)
-    ap = scratch("int16_a", (_round_up(M, 6) * kp,), torch.int16)
+    ap = scratch("int16_a", (_round_up(M, 12) * kp,), torch.int16)
     bp = scratch("int16_b", (_round_up(N, 16) * kp,), torch.int16)
     s_x = _fp32_contiguous(s_x)
     s_w = _fp32_contiguous(w_scale)
@@ -593,7 +593,7 @@ def int16_linear_grouped(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Ten
     swt[:, :N] = s_w.detach().t()
     s_x = _fp32_contiguous(s_x)
     b = None if bias is None else _fp32_contiguous(bias)
-    ap = scratch("int16_a", (_round_up(M, 6) * K,), torch.int16)
+    ap = scratch("int16_a", (_round_up(M, 12) * K,), torch.int16)
     bp = scratch("int16_b", (Np * K,), torch.int16)
     y = torch.empty((M, N), dtype=torch.float32)
     if M and N:

@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -197,6 +197,14 @@ void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n) {
 #if defined(__AVX512F__)
         const __mmask16 m = (__mmask16)(packed[2 * j] | (packed[2 * j + 1] << 8));
         _mm512_storeu_ps(gj, _mm512_maskz_loadu_ps(m, gj));
+#elif defined(__AVX2__)
+        /* each lane i tests bit i of its byte: all-ones where set, and the float's bits are kept */
+        const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i b = _mm256_and_si256(_mm256_set1_epi32(packed[2 * j + h]), bit);
+            const __m256 keep = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, bit));
+            _mm256_storeu_ps(gj + 8 * h, _mm256_and_ps(_mm256_loadu_ps(gj + 8 * h), keep));
+        }
 #else
         const unsigned m = packed[2 * j] | (packed[2 * j + 1] << 8);
         for (int i = 0; i < 16; ++i) gj[i] = (m >> i) & 1 ? gj[i] : 0.0f;

@@ -7,10 +7,11 @@
  * sum as torch._int_mm while K * 2^14 <= 2^31 - 1 (the caller splits longer contractions).
  *
  * Packing (per call; weights change every step):
- *   A: panels of 6 rows; per pair of contraction indices kp, 6 int32 words (a[r][2kp], a[r][2kp+1])
+ *   A: panels of MR rows; per pair of contraction indices kp, MR int32 words (a[r][2kp], a[r][2kp+1])
  *   B: panels of 16 columns; per kp, 16 int32 words (b[2kp][n], b[2kp+1][n])
- * The 6x16 micro-kernel keeps 12 accumulators (two 8-lane ymm per row) in registers over the whole
- * contraction; rows / columns / K past the matrix are packed as zeros. Threads split the column
+ * The MRx16 micro-kernel (MR = 6 with AVX-512VL's registers, 4 on plain AVX2: see MR) keeps two 8-lane
+ * ymm accumulators per row in registers over the whole contraction; rows / columns / K past the
+ * matrix are packed as zeros. Threads split the column
  * panels (each packs and owns its panels of B).
  */
 #include <stdint.h>
@@ -24,7 +25,16 @@
 
 int intqat_int16_gemm_available(void) { return 1; }
 
+/* Rows per register tile: each vpmaddwd needs a scratch register before its vpaddd, so a 6x16 tile takes
+ * 12 accumulators + 2 B vectors + 1 broadcast + 1 product = all 16 of AVX2's ymm registers, and gcc
+ * spills accumulators to the stack inside the loop (an AVX2-only build measured 1.2x fp32 instead of
+ * 1.6x). With AVX-512VL's 32 registers 6 rows fit; plain AVX2 takes 4 (8 accumulators, no spill). The
+ * caller sizes A's scratch for either (rows rounded up to 12). */
+#if defined(__AVX512VL__)
 enum { MR = 6, NR = 16 };
+#else
+enum { MR = 4, NR = 16 };
+#endif
 
 /* a's codes minus z (0 for plain GEMMs; the activation zero point for the grouped forward: |a - z| <= 255,
  * so a product with an int8 code is <= 2^15 and a vpmaddwd pair sum stays in int32) */
@@ -90,7 +100,7 @@ static void pack_b_panel(const int8_t *b, int64_t K, int64_t N, int64_t rs, int6
         }
 }
 
-/* What the micro-kernel does with its 6 x 16 block of exact sums: store them (c, int32), or put them
+/* What the micro-kernel does with its MR x 16 block of exact sums: store them (c, int32), or put them
  * through the integer epilogue (epilogue.h, the same row function as the fused epilogue) into y. */
 typedef struct {
     int32_t *c;          /* int32 output (M, N), or NULL: epilogue */
@@ -104,9 +114,9 @@ typedef struct {
 } int16_out;
 
 /* c[r][j] = sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr, for the block at (m0, n0) */
-/* acc = the exact sums over `steps` pairs of k of the 6 x 16 block: A's pairs from *a32, B's from *bp
- * (both advanced past them). 12 accumulators + 2 B vectors + 1 broadcast: AVX2's 16 registers. */
-static inline void madd_6x16(__m256i acc[MR][2], const int32_t **a32, const int16_t **bp, int64_t steps) {
+/* acc = the exact sums over `steps` pairs of k of the MR x 16 block: A's pairs from *a32, B's from *bp
+ * (both advanced past them). 2 MR accumulators + 2 B vectors + 1 broadcast + 1 product. */
+static inline void madd_tile(__m256i acc[MR][2], const int32_t **a32, const int16_t **bp, int64_t steps) {
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     const int32_t *a = *a32;
     const int16_t *b = *bp;
@@ -125,11 +135,11 @@ static inline void madd_6x16(__m256i acc[MR][2], const int32_t **a32, const int1
     *bp = b;
 }
 
-static inline void kernel_6x16(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
+static inline void kernel_tile(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
                                int64_t N, int64_t m0, int64_t n0, int mr, int nr) {
     __m256i acc[MR][2];
     const int32_t *a32 = (const int32_t *)ap;
-    madd_6x16(acc, &a32, &bp, kp2);
+    madd_tile(acc, &a32, &bp, kp2);
     if (out->c && mr == MR && nr == NR) {
         int32_t *c = out->c + m0 * N + n0;
         for (int r = 0; r < MR; ++r) {
@@ -164,7 +174,7 @@ static void int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int6
         const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
         for (int64_t p = 0; p < panels_m; ++p) {
             const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
-            kernel_6x16(ap + p * kp2 * MR * 2, bq, kp2, out, N, p * MR, q * NR, mr, nr);
+            kernel_tile(ap + p * kp2 * MR * 2, bq, kp2, out, N, p * MR, q * NR, mr, nr);
         }
     }
 }
@@ -179,7 +189,7 @@ void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int6
 }
 
 /* The integer linear forward in one pass: y = epilogue(q_x @ q_wᵀ) with q_x (M, K) and q_w (N, K)
- * row-major int8; each 6x16 block of exact sums goes through epilogue_row before it leaves registers
+ * row-major int8; each MRx16 block of exact sums goes through epilogue_row before it leaves registers
  * and L1, as amx_linear.c does: no int32 accumulator in memory, the same bits. */
 void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
                          const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
@@ -192,10 +202,10 @@ void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *
  *   t[m, n]     = (((0 + p_0) + p_1) + ...) + p_{G-1},  p_g = float32(acc_g) * s_w[n, g]
  *   y[m, n]     = t * s_x[m] (+ b[n])
  * One float32 rounding per operation in this order (mul then add, no FMA): the reference's bits. The
- * 6x16 tile keeps its 12 int32 accumulators in registers over a group, then scales and adds them into
+ * MRx16 tile keeps its int32 accumulators in registers over a group, then scales and adds them into
  * t, which stays in L1 (t in registers too would need 24 of AVX2's 16). gs must be even: a group is
  * whole pairs of k. swt (G, Np): s_wᵀ padded to Np = N rounded up to 16. */
-static inline void kernel_6x16_grouped(const int16_t *ap, const int16_t *bp, int64_t kp2, int64_t gp,
+static inline void kernel_tile_grouped(const int16_t *ap, const int16_t *bp, int64_t kp2, int64_t gp,
                                        const float *swt, int64_t Np, const float *sx, int64_t sx_stride,
                                        const float *bias, float *y, int64_t N, int mr, int nr) {
     float t[MR][NR];
@@ -204,7 +214,7 @@ static inline void kernel_6x16_grouped(const int16_t *ap, const int16_t *bp, int
     const int32_t *a32 = (const int32_t *)ap;
     for (int64_t g = 0; g < kp2 / gp; ++g) {
         __m256i acc[MR][2];
-        madd_6x16(acc, &a32, &bp, gp);
+        madd_tile(acc, &a32, &bp, gp);
         const __m256 s0 = _mm256_loadu_ps(swt + g * Np), s1 = _mm256_loadu_ps(swt + g * Np + 8);
         for (int r = 0; r < MR; ++r) {
             const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), s0);
@@ -235,7 +245,7 @@ void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const 
         const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
         for (int64_t p = 0; p < panels_m; ++p) {
             const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
-            kernel_6x16_grouped(ap + p * kp2 * MR * 2, bq, kp2, gp, swt + q * NR, Np, s_x + p * MR * sx_stride,
+            kernel_tile_grouped(ap + p * kp2 * MR * 2, bq, kp2, gp, swt + q * NR, Np, s_x + p * MR * sx_stride,
                                 sx_stride, bias ? bias + q * NR : NULL, y + p * MR * N + q * NR, N, mr, nr);
         }
     }
