@@ -190,3 +190,34 @@ def test_compile_bench_quick_gives_finite_positive_times():
             assert r["max_rel_diff"] <= 1e-5
     table = format_table(rows)
     assert "integer MLP" in table and "integer CNN" in table and COMPILED in table
+
+
+def test_step_loss_is_per_token_for_language_models():
+    """intqat-graphs' step loss: a classifier's (B, C) against (B,), a language model's (B, T, V) per token."""
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(4, 10, generator=g), torch.randint(0, 10, (4,), generator=g)
+    assert torch.equal(cli.step_loss(logits, labels), torch.nn.functional.cross_entropy(logits, labels))
+    lm, tokens = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    want = torch.nn.functional.cross_entropy(lm.reshape(10, 7), tokens.reshape(10))
+    assert torch.equal(cli.step_loss(lm, tokens), want)
+
+
+class _TinyLM(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V): an integer input the float64 referee must leave as it is."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+def test_referee_runs_a_language_model_on_token_ids():
+    opts = cli.GraphsOptions(backend="aot_eager")
+    ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(2))
+    ref = cli.referee(_TinyLM(), ids, lambda out: cli.step_loss(out, tokens), ["loss", "grad.head.weight"], opts)
+    assert ref.error is None, ref.to_table()
+    assert len(ref.rows) == 2 and ref.cleared, ref.to_table()

@@ -12,7 +12,8 @@ For each stage of the recipe's model:
                 observers and BatchNorm statistics live, as right after the recipe's prepare_at
     integer     observers / BN statistics frozen as the recipe does before integer_at, then
                 intqat.to_integer: the int8 forward and the STE backward
-the training step loss = cross_entropy(model(x), y) on one batch of the recipe's datamodule is
+the training step loss = cross_entropy(model(x), y) (per token for a language model's (B, T, V)
+logits) on one batch of the recipe's datamodule is
 captured as torch.compile sees it (intqat.graphs.extract, train mode), and so is every layer
 (nn.Linear / nn.Conv2d / their fake-quant and integer versions) on its own input, taken from
 that batch by a forward hook. All graphs are written to `out`, one directory per distinct graph
@@ -415,13 +416,31 @@ def _short_path(filename: str) -> str:
     return filename
 
 
+def step_loss(output, y):
+    """The recipes' training loss: cross-entropy of a classifier's (B, C) logits against (B,) labels, or
+    per token of a language model's (B, T, V) logits against (B, T) next tokens (LanguageModelModule)."""
+    import torch.nn.functional as F
+
+    if output.dim() > 2 and y.dim() == output.dim() - 1:
+        return F.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(output, y)
+
+
+# A failed tensor is cleared when the compiled value misses float64 by at most this many times eager's
+# own miss: two fp32 evaluations in different orders are each ~one rounding budget from the truth, and
+# neither is the reference (measured on the GPT recipe's quantized stages: ratios 1.05x-1.83x, where a
+# rounding difference in a LayerNorm flips an activation code and both sides move by one step). A
+# miscompile is off by orders of magnitude (tests: > 100x).
+REFEREE_SLACK = 2.0
+
+
 @dataclass
 class RefereeRow:
     name: str
     compiled_vs_eager: float  # max |compiled - eager|
     eager_vs_fp64: float  # max |eager fp32 - eager float64|: eager's own rounding error
     compiled_vs_fp64: float
-    verdict: str  # "eager less accurate", "compiled within tolerance of fp64" or "compiled wrong"
+    verdict: str  # "eager less accurate", "compiled within tolerance of fp64", "as accurate as eager", "compiled wrong"
 
     @property
     def cleared(self) -> bool:
@@ -437,8 +456,11 @@ class Referee:
     backward accumulates over N*H*W elements per channel, 131k for a CIFAR batch of 128, and
     misses float64 by up to 5e-3 relative in the first block's gradients, where inductor's
     blocked reductions are within 1e-5. A tensor that failed is cleared when the compiled value
-    is at least as close to float64 as eager's, or within rtol/atol of it; it stays failed when
-    the compiled value is the one far from float64 (a real miscompile).
+    is as close to float64 as eager's (within REFEREE_SLACK times eager's own miss), or within
+    rtol/atol of it; it stays failed when the compiled value is the one far from float64 (a real
+    miscompile). A quantized transformer stage needs the slack: inductor's LayerNorm / softmax round
+    differently from eager's, an activation near a rounding boundary takes the neighbouring code, and
+    both fp32 results land about equally far from float64.
     """
 
     rows: list[RefereeRow] = field(default_factory=list)
@@ -467,7 +489,7 @@ def _step_parts(model, x, loss_fn, step, dtype=None) -> dict[str, Any]:
     model = copy.deepcopy(model).train()
     if dtype is not None:
         model = model.to(dtype)  # floating parameters and buffers only; integer buffers stay
-        x = x.to(dtype)
+        x = x.to(dtype) if x.is_floating_point() else x  # a language model's token ids stay integers
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(0)  # validate's default seed: same dropout masks
@@ -510,6 +532,8 @@ def referee(model, x, loss_fn, failed: list[str], opts: GraphsOptions) -> Refere
             verdict = "compiled within tolerance of fp64"
         elif cr <= er:
             verdict = "eager less accurate"
+        elif cr <= REFEREE_SLACK * er:
+            verdict = "as accurate as eager"
         else:
             verdict = "compiled wrong"
         ref.rows.append(RefereeRow(name, ce, er, cr, verdict))
@@ -717,7 +741,7 @@ def stage_text(rep: StageReport, dir_of: dict[str, str], verbose: bool) -> str:
         if rep.referee is not None:
             lines.append(rep.referee.to_table())
             lines.append(f"stage verdict: {'PASSED' if rep.validated else 'FAILED'} "
-                         + ("(every failed tensor is eager's fp32 rounding, not the compiler)" if rep.validated
+                         + ("(every failed tensor is fp32 rounding, as accurate as eager's: not the compiler)" if rep.validated
                             else "(the compiled step computes something else than eager)"))
     return "\n".join(lines)
 
@@ -740,7 +764,6 @@ def validation_table(v, verbose: bool = False) -> str:
 def run(opts: GraphsOptions, log: Callable[[str], None] = print) -> tuple[int, dict[str, Any]]:
     """Build, capture, validate, write; returns (exit status, index)."""
     import torch
-    import torch.nn.functional as F
     from hydra.utils import instantiate
 
     cfg, cfg_source = None, None
@@ -782,7 +805,7 @@ def run(opts: GraphsOptions, log: Callable[[str], None] = print) -> tuple[int, d
     y = batches.y
 
     def loss_fn(output):
-        return F.cross_entropy(output, y)
+        return step_loss(output, y)
 
     log(f"{PROG}: {cfg_source}; model {source}")
     log(f"  input: {batches.source}")
