@@ -321,6 +321,37 @@ static inline void split_into(const float *ar, int64_t C, int64_t cs, const floa
     if (rowsum) { rowsum[r] = sums[0]; rowsum[R + r] = sums[1]; rowsum[2 * R + r] = sums[2]; }
 }
 
+/* buf (n, C) = the transpose of the (C, n) block at a (row stride cs, n <= 16 contiguous floats a row):
+ * rows r0..r0+n of a transposed view. 8x8 blocks go through registers (AVX2), the edges one by one. */
+static void gather_rows_t(const float *a, int64_t cs, int64_t n, int64_t C, float *buf) {
+    int64_t c0 = 0;
+#if defined(__AVX2__)
+    for (; c0 + 8 <= C; c0 += 8)
+        for (int64_t i0 = 0; i0 + 8 <= n; i0 += 8) {
+            __m256 r[8];
+            for (int k = 0; k < 8; ++k) r[k] = _mm256_loadu_ps(a + (c0 + k) * cs + i0);
+            const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+            const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+            const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+            const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            const __m256 o[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                                 _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                                 _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                                 _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+            for (int k = 0; k < 8; ++k) _mm256_storeu_ps(buf + (i0 + k) * C + c0, o[k]);
+        }
+    /* rows past the last full 8 (n % 8) of these columns */
+    for (int64_t c = 0; c < c0; ++c)
+        for (int64_t i = n - n % 8; i < n; ++i) buf[i * C + c] = a[c * cs + i];
+#endif
+    for (int64_t c = c0; c < C; ++c)
+        for (int64_t i = 0; i < n; ++i) buf[i * C + c] = a[c * cs + i];
+}
+
 /* digits: plane j, row r at digits + j * plane + r * ld; ld >= C, and the digits past C in each row
  * are zeroed (the AMX kernel runs 64-deep contraction steps over them). */
 void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
@@ -340,8 +371,7 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
                     continue;
                 }
                 if (rs == 1) {
-                    for (int64_t c = 0; c < C; ++c)
-                        for (int64_t i = 0; i < n; ++i) buf[i * C + c] = a[(r0 + i) + c * cs];
+                    gather_rows_t(a + r0, cs, n, C, buf);
                 } else {
                     for (int64_t i = 0; i < n; ++i)
                         for (int64_t c = 0; c < C; ++c) buf[i * C + c] = a[(r0 + i) * rs + c * cs];
