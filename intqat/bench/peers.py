@@ -147,6 +147,12 @@ def _fusion_groups(seq: nn.Sequential) -> list[list[str]]:
 def torch_ao_qat(model: nn.Sequential) -> nn.Sequential:
     """A flat float nn.Sequential -> QuantStub, fused QAT modules, DeQuantStub (train mode)."""
     tq = _tao()
+    if not isinstance(model, nn.Sequential):
+        # eager mode wants QuantStub / DeQuantStub placed by hand around every quantized region and a fusion
+        # list per block; the bench does that for flat nn.Sequential models only
+        raise Unavailable(f"torch.ao eager-mode QAT needs QuantStub / DeQuantStub and fusion lists written into the "
+                          f"model by hand; the bench sets them up for flat nn.Sequential models, not "
+                          f"{type(model).__name__}")
     wrapped = nn.Sequential(tq.QuantStub(), *model, tq.DeQuantStub()).train()
     wrapped = tq.fuse_modules_qat(wrapped, _fusion_groups(wrapped))
     wrapped.qconfig = tq.get_default_qat_qconfig("x86")
