@@ -153,7 +153,7 @@ def machine_lines(info: dict | None = None) -> list[str]:
     return lines
 
 
-_GEMM_PRIMITIVES = ("int_mm", "linear", "digit_matmul", "ste_grad_input", "ste_grad_weight")
+_GEMM_PRIMITIVES = ("int_mm", "linear", "linear_grouped", "digit_matmul", "ste_grad_input", "ste_grad_weight")
 
 
 def backends_used(run: Callable[[], object]) -> str:
