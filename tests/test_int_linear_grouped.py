@@ -7,6 +7,8 @@ tolerances; LSQ per-group scale gradients against torch's learnable fake quant.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -154,6 +156,61 @@ def test_static_activation_clip_mask_zeroes_grad():
     q_w, _, s_w = quantize_weight_grouped(w, None, gs, -7, 7)
     expected = torch.where(inside, torch.ones(M, N) @ dequantize_weight_grouped(q_w, s_w), 0.0)
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def _clipping_problem(learn: bool):
+    """Static activations and a weight scale at 0.8 x min-max: both clip masks have ones and zeros."""
+    M, K, N, gs = 24, 128, 40, 32
+    torch.manual_seed(3)
+    x = (torch.randn(M, K) * 4).requires_grad_()
+    w = (torch.randn(N, K) * 0.1).requires_grad_()
+    b = torch.randn(N, requires_grad=True)
+    s_x, z_x = torch.tensor([0.02], requires_grad=learn), torch.tensor([3.0], requires_grad=learn)
+    s_w = (w.detach().reshape(N, K // gs, gs).abs().amax(2) / 7 * 0.8).requires_grad_(learn)
+    return (x, w, b, s_x, z_x, s_w), dict(group_size=gs, x_qmin=-128, x_qmax=127, x_dynamic=False)
+
+
+def _grads(args, kw):
+    leaves = [t for t in args if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    g = torch.randn(args[0].shape[0], args[1].shape[0], generator=torch.Generator().manual_seed(4))
+    int_linear_grouped(*args, **kw).backward(g)
+    return [t.grad.clone() for t in leaves]
+
+
+@pytest.mark.parametrize("learn", [False, True])
+def test_clip_masks_saved_as_bits_and_gradients_unchanged(learn, monkeypatch):
+    mod = importlib.import_module("intqat.ops.int_linear_grouped")  # the module (intqat.ops exports the function)
+
+    args, kw = _clipping_problem(learn)
+    M, K = args[0].shape
+    N = args[1].shape[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = int_linear_grouped(*args, **kw)
+    # nothing saved as bool; the two masks are uint8 bit vectors of ceil(n / 8) bytes
+    assert not any(t.dtype == torch.bool for t in saved), [(t.dtype, tuple(t.shape)) for t in saved]
+    packed = sorted(tuple(t.shape) for t in saved if t.dtype == torch.uint8)
+    assert packed == sorted([((M * K + 7) // 8,), ((N * K + 7) // 8,)])
+    del y
+    grads = _grads(args, kw)
+    # the same backward with the masks kept as bools (what the op saved before): bit for bit
+    monkeypatch.setattr(mod, "_packed", lambda m: m)
+    monkeypatch.setattr(mod, "unpack_mask", lambda m, shape: m.reshape(shape))
+    ref = _grads(args, kw)
+    assert len(grads) == (6 if learn else 3)
+    for a, r in zip(grads, ref):
+        assert torch.equal(a, r)
+    # and the masks did act: clipped activations and weights get no gradient
+    x, w = args[0].detach(), args[1].detach()
+    r_x = torch.round(x * torch.reciprocal(args[3].detach())) + 3
+    inside_x = (r_x >= -128) & (r_x <= 127)
+    assert (~inside_x).any() and inside_x.any() and torch.equal(grads[0][~inside_x], torch.zeros(int((~inside_x).sum())))
+    s_w = args[5].detach().repeat_interleave(kw["group_size"], dim=1)
+    r_w = torch.round(w * torch.reciprocal(s_w))
+    inside_w = (r_w >= -7) & (r_w <= 7)
+    assert (~inside_w).any() and torch.equal(grads[1][~inside_w], torch.zeros(int((~inside_w).sum())))
 
 
 @pytest.mark.parametrize("gs", [32, 128])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 import lightning as L
 import pytest
@@ -84,3 +85,35 @@ def test_evaluate_lm_matches_cross_entropy():
     with torch.no_grad():
         loss = torch.nn.functional.cross_entropy(m(x).reshape(-1, 256), y.reshape(-1))
     assert r["tokens"] == 24 and abs(r["loss"] - float(loss)) < 1e-5
+
+
+def test_warmup_then_cosine_schedule_in_a_real_run(tmp_path):
+    """warmup_steps: lr rises linearly to lr over the first steps, then the cosine reaches 0 at the last."""
+    L.seed_everything(0)
+    dm = StdlibTextDataModule(context=8, batch_size=2, train_windows=32, eval_windows=2)
+    model = {"_target_": "intqat.models.GPT", "context": 8, "d_model": 32, "n_layers": 1, "n_heads": 2}
+    module = LanguageModelModule(model, num_classes=256, lr=1e-2, optimizer="adamw", warmup_steps=4)
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(max_steps=10, callbacks=[Record()], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=dm)
+    cos = [0.5 * (1 + math.cos(math.pi * k / 6)) for k in range(6)]
+    expected = [1e-2 * f for f in (0.25, 0.5, 0.75, 1.0, *cos)]
+    assert seen == pytest.approx(expected, rel=1e-6, abs=1e-12) and module.hparams.warmup_steps == 4
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_warmup_must_be_shorter_than_the_run(tmp_path):
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        LanguageModelModule({"_target_": "intqat.models.GPT"}, warmup_steps=-1)
+    module = LanguageModelModule({"_target_": "intqat.models.GPT", "context": 8, "d_model": 32, "n_layers": 1,
+                                  "n_heads": 2}, warmup_steps=5, lr=1e-3)
+    trainer = L.Trainer(max_steps=5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="must be below the 5 optimizer steps"):
+        trainer.fit(module, datamodule=StdlibTextDataModule(context=8, batch_size=2, train_windows=16, eval_windows=2))

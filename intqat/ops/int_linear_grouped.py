@@ -9,7 +9,7 @@ k // group_size == g. Forward (NUMERICS.md, "Per-group weights"):
     p_g      = float32(acc_g) * s_w[n, g]                  # one rounding
     t        = (...((p_0 + p_1) + p_2) + ...) + p_{G-1}    # fp32, increasing g, one rounding per add
     y        = t * s_x[m] + b[n]                           # one rounding per step, no FMA
-Backward (straight-through, fp32), from the codes, scales and clip masks only:
+Backward (straight-through, fp32), from the codes, scales and clip masks only (masks saved as bits, 8 a byte):
     w_hat     = q_w * s_w[n, g(k)]                          # (N, K)
     grad_x    = (g @ w_hat) * mask_x
     grad_w    = (gᵀ @ x_hat) * mask_w,  x_hat = (q_x - z_x) * s_x
@@ -38,6 +38,7 @@ from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.masks import pack_mask, unpack_mask
 from intqat.ops.qparams import SCALE_EPS
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
@@ -223,13 +224,21 @@ def _(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qma
     )
 
 
+def _packed(mask: Tensor) -> Tensor:
+    return pack_mask(mask) if mask.numel() else mask  # bool (...) -> uint8 (ceil(n / 8),); empty stays empty
+
+
 def _setup_context(ctx, inputs, output):
     x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _ = inputs
     _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
     x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale is not None and w_scale.requires_grad
-    # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned
-    ctx.save_for_backward(q_x, mask_x, q_w, mask_w, s_x, z_x, s_w, x if x_lsq else None, weight if w_lsq else None)
+    # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
+    # The clip masks as bits (intqat.ops.masks, as int_linear does): 1/8 of the bytes of the bool masks;
+    # an empty mask (dynamic activations, min-max weight scales: nothing clips) is saved as it is.
+    ctx.mask_shapes = (mask_x.shape, mask_w.shape)
+    ctx.save_for_backward(q_x, _packed(mask_x), q_w, _packed(mask_w), s_x, z_x, s_w, x if x_lsq else None,
+                          weight if w_lsq else None)
     ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
     ctx.x_lsq, ctx.w_lsq, ctx.has_bias = x_lsq, w_lsq, bias is not None
     ctx.shapes = (x_scale.shape, x_zero_point.shape, None if w_scale is None else w_scale.shape)
@@ -239,6 +248,7 @@ def _backward(ctx, g, *_unused):
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
         return (None,) * 13
     q_x, mask_x, q_w, mask_w, s_x, z_x, s_w, x, weight = ctx.saved_tensors
+    mask_x, mask_w = (unpack_mask(m, shape) if m.numel() else m for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     sx_shape, zx_shape, sw_shape = ctx.shapes

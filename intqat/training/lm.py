@@ -47,7 +47,34 @@ def _token_loss(logits: Tensor, y: Tensor) -> Tensor:
 
 class LanguageModelModule(ClassificationModule):
     """A ClassificationModule whose model maps tokens (B, T) to logits (B, T, V) and is scored per token:
-    `<split>/loss` (mean nats per token), `<split>/ppl` = exp(loss) over the whole split, `<split>/acc`."""
+    `<split>/loss` (mean nats per token), `<split>/ppl` = exp(loss) over the whole split, `<split>/acc`.
+
+    warmup_steps: with scheduler="cosine", the learning rate rises linearly from lr / warmup_steps to lr
+    over the first warmup_steps optimizer steps, then follows the cosine to 0 at the last step (GPT's
+    schedule: Adam's first steps at full lr can stall a transformer). 0: the plain cosine.
+    """
+
+    def __init__(self, model, num_classes: int = 256, *, warmup_steps: int = 0, **kwargs):
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"LanguageModelModule(warmup_steps={warmup_steps!r}): give an int >= 0")
+        super().__init__(model, num_classes, **kwargs)
+
+    def configure_optimizers(self):
+        out = super().configure_optimizers()
+        warmup = self.hparams.get("warmup_steps", 0)
+        if not warmup or not isinstance(out, dict):  # no scheduler: a constant lr has nothing to warm up
+            return out
+        opt, total = out["optimizer"], out["lr_scheduler"]["scheduler"].T_max
+        if warmup >= total:
+            raise ValueError(f"LanguageModelModule(warmup_steps={warmup}): must be below the {total} optimizer steps")
+
+        def factor(step: int) -> float:  # LambdaLR: lr = lr_0 * factor(step), step = optimizer steps taken
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def _step(self, batch, split: str, metric) -> Tensor:
         x, y = batch
