@@ -117,3 +117,26 @@ def test_warmup_must_be_shorter_than_the_run(tmp_path):
                         default_root_dir=tmp_path)
     with pytest.raises(ValueError, match="must be below the 5 optimizer steps"):
         trainer.fit(module, datamodule=StdlibTextDataModule(context=8, batch_size=2, train_windows=16, eval_windows=2))
+
+
+def test_ptq_sweep_prints_fp32_and_ptq_perplexities(capsys):
+    """python -m intqat.training.ptq_sweep (how the recipe's settings were chosen) on a 1-block GPT, 2 steps:
+    one JSON line per evaluation, with finite fp32 perplexities and the PTQ rise in % per spec and split."""
+    import json
+    import math
+
+    from intqat.training import ptq_sweep
+
+    threads = torch.get_num_threads()
+    try:
+        ptq_sweep.main(["--steps", "2", "--evals", "2", "--d_model", "32", "--n_layers", "1", "--n_heads", "2",
+                        "--batch", "4", "--ptq", "g32_e4g32,g128_noemb"])
+    finally:
+        torch.set_num_threads(threads)
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    row = json.loads(line)
+    assert row["step"] == 2
+    for split in ("val", "test"):
+        assert math.isfinite(row[f"{split}/fp32"]) and row[f"{split}/fp32"] > 1.0
+        for spec in ("g32_e4g32", "g128_noemb"):
+            assert math.isfinite(row[f"{split}/{spec}"])

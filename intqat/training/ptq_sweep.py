@@ -6,7 +6,7 @@ gradient clipping), without QAT, and at the
 --evals steps scores fp32 and PTQ (intqat.to_integer of a copy) on the validation and test windows
 for several group sizes / embedding specs. One JSON line per evaluation on stdout.
 
-    python scripts/lm_ptq_sweep.py --lr 3e-3 --wd 0.01 --steps 700 --evals 500,700
+    python -m intqat.training.ptq_sweep --warmup 50 --steps 700 --evals 300,500,700
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import copy
 import json
 import math
-import sys
 import time
 import warnings
 
@@ -62,8 +61,8 @@ class _Probe(L.Callback):
         self.eval_s += time.time() - t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m intqat.training.ptq_sweep", description=__doc__.splitlines()[0])
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--wd", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=700)
@@ -77,7 +76,7 @@ def main() -> None:
     ap.add_argument("--ptq", default=",".join(PTQ))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     # the order of intqat-train (intqat/cli/train.py): seed, datamodule, module, trainer; the same seed
     # gives the recipe's initial weights and batch order
