@@ -45,7 +45,6 @@ __all__ = [
     "quantize_rows",
     "quantize_rows_dynamic",
     "fake_quantize_rows",
-    "mask_zero_",
     "mask_zero_bits_",
     "epilogue",
     "dequantize_rows",
@@ -72,8 +71,7 @@ _SIGNATURES = {
     "intqat_fake_quantize_rows": [_P, _I, _I, _P, _I, _F, _F, _F, _P, _P],
     # x, rows, cols, qmin, qmax, eps, out, scale, rowsum
     "intqat_quantize_rows_dynamic": [_P, _I, _I, _F, _F, _F, _P, _P, _P],
-    # g, mask, n / g, packed mask bits, n
-    "intqat_mask_zero": [_P, _P, _I],
+    # g, packed mask bits, n
     "intqat_mask_zero_bits": [_P, _P, _I],
     # x, n, out (2 floats)
     "intqat_minmax": [_P, _I, _P],
@@ -339,16 +337,6 @@ def quantize_rows_dynamic(
         _lib.intqat_quantize_rows_dynamic(x.data_ptr(), M, K, float(qmin), float(qmax), float(eps),
                                           out.data_ptr(), scale.data_ptr(), _ptr(rowsum))
     return out, scale, rowsum
-
-
-def mask_zero_(g: Tensor, mask: Tensor) -> Tensor:
-    """In place: g = where(mask, g, 0) for contiguous fp32 g and a bool mask of its shape."""
-    if g.dtype != torch.float32 or not g.is_contiguous() or mask.shape != g.shape:
-        return g.copy_(torch.where(mask, g, 0.0))
-    mask = mask.contiguous()
-    if g.numel():
-        _lib.intqat_mask_zero(g.data_ptr(), mask.data_ptr(), g.numel())
-    return g
 
 
 def mask_zero_bits_(g: Tensor, packed: Tensor) -> Tensor:

@@ -119,12 +119,6 @@ void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, fl
     }
 }
 
-/* The straight-through mask, in place: g[i] = mask[i] ? g[i] : 0 (torch.where(mask, g, 0.0)). */
-void intqat_mask_zero(float *g, const uint8_t *mask, int64_t n) {
-    OMP_FOR_IF(n)
-    for (int64_t i = 0; i < n; ++i) g[i] = mask[i] ? g[i] : 0.0f;
-}
-
 /* (min, max) of x (n floats) in one pass, NaN if any element is NaN (as torch.aminmax): the activation
  * observer's reduction at every training step. `v < lo ? v : lo` is exactly minps' semantics, so it
  * vectorizes without -ffast-math; min / max select elements, so the result is exact. */

@@ -15,7 +15,7 @@ The primitives (the same signature in every backend that implements them):
     digit_matmul(a, col_scale, q, z, mask)   the backward GEMM on the int8 units (digit_gemm.py)
     linear_grouped(q_x, q_w, s_w, z_x, s_x, bias)
                                              the per-group (8da4w) forward (int_linear_grouped.py)
-    quantize_rows / quantize_rows_dynamic / fake_quantize_rows / dequantize_rows / mask_zero_
+    quantize_rows / quantize_rows_dynamic / fake_quantize_rows / dequantize_rows
                                              the elementwise passes (quant.py's formulas)
     pack_mask / unpack_mask                  clip masks as bits for backward (masks.py)
     mask_zero_packed_(g, packed)             where(unpack_mask(packed), g, 0) straight from the bits

@@ -105,9 +105,6 @@ class CpuFused(Backend):
             out = cpu_kernels.scratch(scratch, tuple(q.shape), torch.float32)
         return cpu_kernels.dequantize_rows(q, scale, float(zero_point), per_row, out=out)
 
-    def mask_zero_(self, g, mask):
-        return cpu_kernels.mask_zero_(g, mask)
-
     def mask_zero_packed_(self, g, packed):
         return cpu_kernels.mask_zero_bits_(g, packed)
 

@@ -66,7 +66,7 @@ class Reference(Backend):
     needs = "torch only (the definition; what tracers and exported programs see)"
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
-        "fake_quantize_rows", "dequantize_rows", "mask_zero_", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
+        "fake_quantize_rows", "dequantize_rows", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
         "minmax",
     })
     traceable = True
@@ -164,10 +164,6 @@ class Reference(Backend):
         if scale is not None:
             y = y * _row_scale(scale, q, per_row)
         return y if out is None else out.copy_(y)
-
-    def mask_zero_(self, g, mask):
-        """where(mask, g, 0) (a new tensor: tracers see no in-place update)."""
-        return torch.where(mask, g, 0.0)
 
     def mask_zero_packed_(self, g, packed):
         """where(unpack_mask(packed, g.shape), g, 0): the mask from its bits (masks.py), a new tensor."""
