@@ -205,6 +205,21 @@ def _load() -> ctypes.CDLL | None:
         return _lib
 
 
+_flags: dict[str, bool] = {}
+
+
+def _library_says(symbol: str) -> bool:
+    """The answer of one of the library's `int f(void)` capability probes (what it was built with, what the
+    OS granted), asked once; False while the kernels are off."""
+    if not available():
+        return False
+    if symbol not in _flags:
+        fn = getattr(_lib, symbol)
+        fn.restype = ctypes.c_int
+        _flags[symbol] = bool(fn())
+    return _flags[symbol]
+
+
 def available() -> bool:
     """True when the fused kernels are built, loaded and not switched off by `disabled()`."""
     # once loaded, no lock and no call: this runs per dispatch (and must not break dynamo's graphs)
@@ -450,18 +465,11 @@ def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int, ma
 # ---------------------------------------------------------------------------------------------
 
 AMX_ROWS, AMX_COLS, AMX_DEPTH = 32, 32, 64  # output block, contraction step: what inputs pad to
-_amx: bool | None = None
 
 
 def amx_available() -> bool:
     """The library is built with AMX and Linux granted this process the AMX state (asked once)."""
-    global _amx
-    if not available():
-        return False
-    if _amx is None:
-        _lib.intqat_amx_available.restype = ctypes.c_int
-        _amx = bool(_lib.intqat_amx_available())
-    return _amx
+    return _library_says("intqat_amx_available")
 
 
 def amx_digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int, mask: Tensor | None) -> Tensor:
@@ -518,18 +526,10 @@ def amx_linear(q_x: Tensor, q_w: Tensor, z_x: int, colsum: Tensor | None, s_x: T
 # Exact int8 GEMMs through AVX2's int16 multiply-add (kernels/cpu/int16_gemm.c)
 # ---------------------------------------------------------------------------------------------
 
-_int16: bool | None = None
-
 
 def int16_gemm_available() -> bool:
     """The library is built with AVX2 (vpmaddwd)."""
-    global _int16
-    if not available():
-        return False
-    if _int16 is None:
-        _lib.intqat_int16_gemm_available.restype = ctypes.c_int
-        _int16 = bool(_lib.intqat_int16_gemm_available())
-    return _int16
+    return _library_says("intqat_int16_gemm_available")
 
 
 def int16_gemm(a: Tensor, b: Tensor) -> Tensor:
@@ -595,18 +595,10 @@ def int16_linear_grouped(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Ten
 # The per-group integer linear (kernels/cpu/grouped_linear.c; formulas in intqat/ops/int_linear_grouped.py)
 # ---------------------------------------------------------------------------------------------
 
-_grouped_vnni: bool | None = None
-
 
 def grouped_vnni_available() -> bool:
     """The library's per-group kernel was built with AVX512-VNNI."""
-    global _grouped_vnni
-    if not available():
-        return False
-    if _grouped_vnni is None:
-        _lib.intqat_grouped_has_vnni.restype = ctypes.c_int
-        _grouped_vnni = bool(_lib.intqat_grouped_has_vnni())
-    return _grouped_vnni
+    return _library_says("intqat_grouped_has_vnni")
 
 
 def grouped_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None,
