@@ -19,7 +19,7 @@ from pathlib import Path
 def _source_digest() -> str:
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for path in sorted([*root.glob("intqat/**/*.py"), *root.glob("kernels/**/*.py"), *root.glob("kernels/**/*.c"), *root.glob("kernels/**/*.h")]):
+    for path in sorted([*root.glob("intqat/**/*.py"), *root.glob("kernels/**/*.py"), *root.glob("kernels/**/*.c"), *root.glob("kernels/**/*.cpp"), *root.glob("kernels/**/*.h")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:12]
@@ -49,3 +49,8 @@ def pytest_terminal_summary(terminalreporter):
     for name, needs, reason in backends.summary():
         status = "runs here" if reason is None else f"NOT RUN here: {reason}"
         terminalreporter.write_line(f"  {name:<11} {status}  (needs: {needs})")
+    from intqat.ops import cpp_linear
+
+    reason = cpp_linear.unavailable_reason()
+    status = "runs here" if reason is None else f"NOT RUN here: {reason}"
+    terminalreporter.write_line(f"  C++ training op (cpu_fused's int_linear step, kernels/cpu/train_linear.cpp): {status}")

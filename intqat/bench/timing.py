@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from intqat.ops import cpu_kernels
+from intqat.ops import cpp_linear, cpu_kernels
 from intqat.ops import backends
 from intqat.ops.cpu_features import cpu_class, cpu_info, int8_gemm_outpaces_fp32_8x
 
@@ -114,6 +114,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "fused_cpu_kernels": cpu_kernels.available(),
+        "cpp_training_op": cpp_linear.unavailable_reason() or "on",
         "cpu_class": cpu_class(),
         # which rule `digits_pay` applies to the backward GEMMs through torch._int_mm
         "int8_8x_fp32": int8_gemm_outpaces_fp32_8x(),
@@ -131,6 +132,8 @@ def machine_lines(info: dict | None = None) -> list[str]:
         f"machine: {info['cpu']} ({isa}), {info['cores']} cores, {info['torch_threads']} torch threads; "
         f"torch {info['torch']}, torchao {info['torchao'] or 'not installed'}"
         + f"; intqat fused CPU kernels {'on' if info.get('fused_cpu_kernels') else 'OFF (torch path)'}"
+        + ("" if "cpp_training_op" not in info else "; C++ training op "
+           + ("on" if info["cpp_training_op"] == "on" else f"OFF ({info['cpp_training_op']}: Python path, slower)"))
         + ("" if load is None else f"; 1-min load avg before the run {load:.2f}")
     ]
     if "cpu_class" in info:
@@ -162,8 +165,10 @@ def backends_used(run: Callable[[], object]) -> str:
     with backends.recording() as ran:
         run()
     gemms = {p: b for (p, b) in ran if p in _GEMM_PRIMITIVES}
-    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES})
+    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p != cpp_linear.RECORDED_AS})
     parts = [f"{p}={b}" for p, b in sorted(gemms.items())]
+    if any(p == cpp_linear.RECORDED_AS for p, _ in ran):
+        parts.append("step=C++")  # int_linear's forward and backward through the C++ op (intqat.ops.cpp_linear)
     if passes:
         parts.append("passes=" + "+".join(passes))
     return " ".join(parts) or "-"

@@ -158,26 +158,38 @@ def _cache_dir() -> Path:
 
 
 def _build(srcs: list[Path]) -> Path:
-    """Compile the sources into the cache (once per source / flags / CPU) and return the .so path."""
-    cc = os.environ.get("CC", "cc")
+    """Compile the fused C sources into the cache (once per source / flags / CPU) and return the .so path."""
+    return build_library(srcs, compiler=os.environ.get("CC", "cc"), flag_sets=_flag_sets(), prefix="fused",
+                         link=["-lm"])
+
+
+def build_library(srcs: list[Path], *, compiler: str, flag_sets: list[list[str]], prefix: str,
+                  link: list[str] = ()) -> Path:
+    """Compile `srcs` into a shared library in the cache dir and return its path: the first flag set
+    that compiles. Keyed by a hash of the sources (and the headers beside them), flags, compiler, link
+    arguments, CPU and torch version, so each combination is built once; written atomically (several
+    processes may build at once: a reader sees no library or a whole one)."""
     headers = sorted(srcs[0].parent.glob("*.h"))  # included by the sources: part of the cache key
     code = b"\0".join(path.read_bytes() for path in [*srcs, *headers])
     errors = []
-    for flags in _flag_sets():
-        key = hashlib.sha256(b"\0".join([code, " ".join(flags).encode(), cc.encode(), _cpu_id().encode(),
-                                         torch.__version__.encode()])).hexdigest()[:16]
-        out = _cache_dir() / f"fused-{key}.so"
+    for flags in flag_sets:
+        key = hashlib.sha256(b"\0".join([code, " ".join([*flags, *link]).encode(), compiler.encode(),
+                                         _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:16]
+        out = _cache_dir() / f"{prefix}-{key}.so"
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".fused-", suffix=".so", dir=out.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, srcs), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([compiler, *flags, "-o", tmp, *map(str, srcs), *link], capture_output=True,
+                                  text=True)
             if proc.returncode == 0:
-                os.replace(tmp, out)  # atomic: a reader sees no library or a whole one
+                os.replace(tmp, out)  # atomic
                 return out
-            errors.append(f"{cc} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+            errors.append(f"{compiler} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
+        except OSError as e:  # no such compiler
+            errors.append(f"{compiler}: {e}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -218,6 +230,13 @@ def _library_says(symbol: str) -> bool:
         fn.restype = ctypes.c_int
         _flags[symbol] = bool(fn())
     return _flags[symbol]
+
+
+def library_path() -> str:
+    """The path of the loaded fused library (what the C++ training op links against)."""
+    if not available():
+        raise RuntimeError("the fused C kernels are not loaded")
+    return _lib._name
 
 
 def available() -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops import backends
+from intqat.ops import backends, cpp_linear
 from intqat.ops.backends import MAX_K_INT32
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.masks import pack_mask, unpack_mask
@@ -44,6 +44,7 @@ __all__ = [
     "weight_colsum",
     "minmax_weight_scale",
     "rounded_zero_point",
+    "rounded_zero_point_int",
     "lsq_grad_factor",
 ]
 
@@ -64,13 +65,22 @@ _EXACT_IN_FP32 = (torch.float32, torch.int32, torch.int16, torch.int8, torch.uin
 def rounded_zero_point(zero_point: Tensor, qmin: int, qmax: int) -> Tensor:
     """A learnable (float) zero point as the integer the hardware uses: round, clamp -> int32 (1,)."""
     if zero_point.numel() == 1 and zero_point.dtype in _EXACT_IN_FP32 and backends.eager_cpu((zero_point,)):
-        # eager CPU (every training step): the same value in Python, one tensor op instead of five.
-        # float() of an fp32 / small-integer value is exact; clamping to integer bounds commutes with
-        # rounding; round() is half-to-even, as torch.round
-        z = float(zero_point)
-        if z == z:  # (NaN: the tensor ops below give what torch gives)
-            return torch.tensor([round(min(max(z, qmin), qmax))], dtype=torch.int32)
+        z = rounded_zero_point_int(zero_point, qmin, qmax)
+        if z is not None:
+            return torch.tensor([z], dtype=torch.int32)
     return torch.round(zero_point.detach().reshape(1).to(torch.float32)).clamp_(qmin, qmax).to(torch.int32)
+
+
+def rounded_zero_point_int(zero_point: Tensor, qmin: int, qmax: int) -> int | None:
+    """`rounded_zero_point` as a Python int, for an eager one-element CPU tensor; None for NaN (and for a
+    dtype float() would not hold exactly), where the tensor ops say what torch says.
+
+    float() of an fp32 / small-integer value is exact; clamping to integer bounds commutes with
+    rounding; round() is half-to-even, as torch.round."""
+    if zero_point.dtype not in _EXACT_IN_FP32:
+        return None
+    z = float(zero_point)
+    return round(min(max(z, qmin), qmax)) if z == z else None
 
 
 def quantize_activation(
@@ -466,7 +476,34 @@ def int_linear(
         w_clip_mask = True
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
-            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
-    y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
+    y = None
+    if backends.eager_cpu((x2d, weight, bias, x_scale, x_zero_point, w_scale)):
+        y = _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+                      w_clip_mask, grad_gemm)
+    if y is None:
+        args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
+                x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
+        y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
     return y.reshape(*lead, weight.shape[0])
+
+
+def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+              w_clip_mask, grad_gemm) -> Tensor | None:
+    """The step through the C++ op (intqat.ops.cpp_linear: the same kernels, one call each way) where
+    it may run, else None. Eager plain CPU tensors only (checked by the caller); not with learned scales."""
+    if (w_scale is not None and w_scale.requires_grad) or (
+            not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad or x_scale.dtype != torch.float32)):
+        return None  # LSQ: its gradients are the Python path's
+    M, K = x2d.shape
+    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
+    plan = cpp_linear.plan(M, K, weight.shape[0], x_dynamic, w_scale is not None, w_clip_mask, grad_gemm)
+    if plan is None:
+        return None
+    if x_dynamic:
+        s_x, z = 0.0, 0
+    else:
+        s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
+        if z is None or s_x != s_x:
+            return None  # a NaN zero point or scale: the Python path says what torch says
+    return cpp_linear.run(plan, x2d.contiguous(), weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
+                          x_dynamic, w_clip_mask)

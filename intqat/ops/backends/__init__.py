@@ -41,7 +41,7 @@ from intqat.ops.backends.triton import Triton
 
 __all__ = [
     "Backend", "TABLE", "MAX_K_INT32", "EXACT_K", "select", "use_backend", "forced", "get", "names",
-    "unavailable", "choices", "recording", "summary", "tracing", "plain_cpu", "amx_forward_pays",
+    "unavailable", "note_ran", "choices", "recording", "summary", "tracing", "plain_cpu", "amx_forward_pays",
 ]
 
 TABLE: tuple[Backend, ...] = (Triton(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
@@ -138,6 +138,14 @@ def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | Non
         for counter in _recorders:
             counter[(primitive, chosen.name)] += 1
     return chosen
+
+
+def note_ran(primitives: tuple[str, ...], name: str) -> None:
+    """Record that backend `name` ran these primitives (a fused caller, such as the C++ training op,
+    that runs several of one backend's primitives in one call)."""
+    chosen = _BY_NAME[name]
+    for primitive in primitives:
+        _note(primitive, chosen, True)
 
 
 def choices() -> dict[str, str]:

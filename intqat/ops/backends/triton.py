@@ -34,7 +34,8 @@ class Triton(Backend):
 
         if backends.forced() == self.name:
             return None
-        if not all(t is None or t.is_cuda for t in tensors):
+        # (no tensors: select(..., at_run_time=True) asks for an eager run on plain CPU tensors)
+        if not tensors or not all(t is None or t.is_cuda for t in tensors):
             return "CPU tensors (the Triton interpreter runs only when forced)"
         return None
 

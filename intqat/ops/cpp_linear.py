@@ -1,0 +1,160 @@
+"""The eager CPU training step of `int_linear` as one C++ autograd op (kernels/cpu/train_linear.cpp).
+
+Why: the Python path runs ~12 small steps per integer layer and call (backend choices, three C passes,
+an autograd.Function, a mask pack; in the backward a split, a GEMM and a combine twice): ~0.15 ms of
+interpreter and dispatch per layer and step, measured at every size. A BERT-tiny layer's whole fp32
+step is 0.2-0.5 ms at 2 threads, so that overhead decided whether an integer transformer block
+trained faster than fp32. The C++ op runs the same kernels (the fused C library, linked by path) and
+the same aten GEMMs in one call forward and one autograd node backward: same bits, ~5 us overhead.
+
+When it runs (`plan`): eager calls on plain CPU tensors where the backend table would run every
+primitive of the step on `cpu_fused` (the int8 GEMMs through torch._int_mm: CPUs with int8 dot
+products, AMX aside: the amx backend keeps its own kernels), with no learned (LSQ) scales. Anything
+else (tracing, CUDA, LSQ, a forced backend other than cpu_fused, a CPU without int8 dot products)
+takes the Python path, which computes the same numbers. INTQAT_CPP_STEP=0 turns it off (tests compare
+both); a build failure (no C++ compiler, no torch headers) warns once and keeps the Python path.
+
+The library is compiled on first use (~10 s, `$CXX`, default `c++`) against torch's headers into the
+kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from intqat.ops import backends, cpu_kernels
+from intqat.ops.digit_gemm import digits_pay
+from intqat.ops.qparams import SCALE_EPS
+
+__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run"]
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_reason: str | None = None  # why it is not available (None: it is, or not tried)
+_disabled_depth = 0
+
+
+def _source() -> Path:
+    spec = importlib.util.find_spec("intqat.kernels")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package intqat.kernels not found")
+    return Path(next(iter(spec.submodule_search_locations))) / "cpu" / "train_linear.cpp"
+
+
+def _build_and_load() -> None:
+    global _loaded, _reason
+    from torch.utils import cpp_extension  # (imports setuptools: only when the op is first needed)
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
+    link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
+    path = cpu_kernels.build_library([_source()], compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
+                                     prefix="train_linear", link=link)
+    torch.ops.load_library(str(path))
+    _loaded = True
+
+
+def _load() -> bool:
+    global _loaded, _reason
+    with _lock:
+        if _loaded is None:
+            _loaded = False
+            if os.environ.get("INTQAT_CPP_STEP", "1") == "0":
+                _reason = "switched off (INTQAT_CPP_STEP=0)"
+            elif not cpu_kernels.available():
+                _reason = "the fused C kernels are not built"
+            else:
+                try:
+                    _build_and_load()
+                except (OSError, RuntimeError, FileNotFoundError, ImportError) as e:
+                    _reason = f"the C++ build failed: {str(e)[-300:]}"
+                    warnings.warn(
+                        "intqat: the C++ training op (kernels/cpu/train_linear.cpp) is unavailable; integer "
+                        "layers keep the Python path (same numbers, ~0.15 ms more per layer and step). "
+                        f"Reason: {_reason}. Set INTQAT_CPP_STEP=0 to silence this.", RuntimeWarning, stacklevel=4)
+        return _loaded
+
+
+def available() -> bool:
+    """Is the C++ op built, loaded and not switched off (by `disabled()` / INTQAT_CPP_STEP=0)?"""
+    return _disabled_depth == 0 and (_loaded if _loaded is not None else _load())
+
+
+def unavailable_reason() -> str | None:
+    """Why the C++ op does not run here (None: it does, where `plan` allows)."""
+    return None if available() else (_reason or "disabled in this block")
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run int_linear's Python path inside the block (tests compare both)."""
+    global _disabled_depth
+    _disabled_depth += 1
+    try:
+        yield
+    finally:
+        _disabled_depth -= 1
+
+
+RECORDED_AS = "int_linear_cpp"  # what `backends.recording()` counts per call of the op, beside its primitives
+_plans: dict[tuple, tuple | None] = {}
+
+
+def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: bool, grad_gemm: str) -> tuple | None:
+    """(digits_x, digits_w, primitives) when the C++ op may run this call, else None.
+
+    Decided once per shape and setting (and per forced backend / kernels switch): the op may run when
+    the backend table would put every primitive of the step on cpu_fused, the backend whose kernels
+    the op calls. `primitives`: what one step runs, recorded per call as the backend table records
+    the Python path's (`intqat.ops.backends.recording`). The caller has checked the tensors (plain
+    CPU, nothing tracing, no learned scales).
+    """
+    if not available():
+        return None
+    key = (M, K, N, x_dynamic, w_scale_given, w_mask, grad_gemm, backends.forced(), cpu_kernels.disabled_depth())
+    if key in _plans:
+        return _plans[key]
+    result = None
+    if M and K and N and max(M, K, N) <= backends.MAX_K_INT32:
+        digits_x = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="x")
+        digits_w = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="w")
+        x_mask = not x_dynamic
+        forward = ["quantize_rows_dynamic" if x_dynamic else "quantize_rows",
+                   "quantize_rows" if w_scale_given else "quantize_rows_dynamic", "linear"]
+        forward += ["pack_mask"] * (x_mask + w_mask)
+        backward = []
+        for digits, masked in ((digits_x, x_mask), (digits_w, w_mask)):
+            backward += ["digit_matmul" if digits else "dequantize_rows"] + ["mask_zero_packed_"] * masked
+        steps = (*forward, *backward)
+        if all(getattr(backends.select(p, record=False, at_run_time=True, shape=(M, K, N)), "name", None)
+               == "cpu_fused" for p in set(steps)):
+            result = (digits_x, digits_w, (RECORDED_AS, *steps))
+    if len(_plans) < 4096:
+        _plans[key] = result
+    return result
+
+
+_op = None
+
+
+def run(p: tuple, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None, x_scale: float,
+        z_x: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int, x_dynamic: bool, w_clip_mask: bool) -> Tensor:
+    """y (M, N) through the C++ op, per plan `p`; x2d (M, K) fp32 contiguous."""
+    global _op
+    if _op is None:
+        _op = torch.ops.intqat_train.int_linear.default
+    digits_x, digits_w, primitives = p
+    backends.note_ran(primitives, "cpu_fused")
+    return _op(x2d, weight, bias, w_scale, x_scale, z_x, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask,
+               digits_x, digits_w, SCALE_EPS)

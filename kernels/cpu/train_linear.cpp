@@ -1,0 +1,230 @@
+/* intqat_train::int_linear: the eager CPU training step of intqat::int_linear as one C++ autograd op.
+ *
+ * Why: in Python, each call of an integer layer ran ~12 small steps around its three GEMMs (select a
+ * backend, quantize x, quantize W, the epilogue, pack a mask, an autograd.Function, then the backward's
+ * split / GEMM / combine twice): ~0.15 ms of interpreter and dispatch per layer and step, which a
+ * BERT-tiny layer's whole fp32 step (~0.2-0.5 ms at 2 threads) cannot hide. Here the same kernels run
+ * in one call for the forward and one autograd node for the backward (~5 us of overhead).
+ *
+ * Same bits as the Python path (intqat/ops/int_linear.py, backend cpu_fused), step for step:
+ * the elementwise passes are the very functions of the fused C library (fused.c, linked by path, one
+ * copy in the process), the GEMMs the same aten calls (torch._int_mm, mm) on the same layouts.
+ * tests/test_train_linear.py compares outputs and gradients bit for bit.
+ *
+ * Taken only where the Python dispatch would pick cpu_fused for everything (intqat/ops/cpp_linear.py
+ * decides per shape): plain CPU tensors, nothing tracing, no learned (LSQ) scales.
+ *
+ * Forward, x (M, K) fp32 contiguous, W (N, K) (any strides):
+ *     q_x, mask_x = quantize(x, s_x, z)          static per-tensor; dynamic: per-token s_x[m], z = 0
+ *     q_w, s_w, colsum = quantize(W, s_w, 0)     w_scale given, or min-max per channel
+ *     y = epilogue(int_mm(q_x, q_wᵀ))            float32(acc - z colsum[n]) * (s_x[m] s_w[n]) + b[n]
+ * Backward (straight-through; digits_x / digits_w: that GEMM on the int8 units, digit_gemm.py):
+ *     grad_x = mask_x * (g @ (q_w * s_w[n]))      or combine(int_mm(split(g, s_w), q_w))
+ *     grad_w = mask_w * (gᵀ @ ((q_x - z) * s_x))  or combine(int_mm(split(gᵀ, s_x), q_x), z)
+ *     grad_b = sum_m g
+ * Masks are kept as bits (1/8 of the bytes) and applied from the bits. */
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
+void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                          float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
+void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
+                                  int8_t *out, float *scale, int32_t *rowsum);
+void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
+void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
+void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
+                     int64_t sx_stride, const float *s_w, const float *bias, float *y);
+void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                            float z, float *out);
+void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
+                         int64_t ss, int8_t *digits, int64_t ld, int64_t plane, int32_t *shift, int32_t *rowsum);
+void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
+                           int32_t z, const uint8_t *mask, float *out);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/* A reused temporary per role (as intqat.ops.cpu_kernels.scratch): for values that die inside this op
+ * (the int32 accumulators, the bool mask before packing, the digits, the dequantized operand). A fresh
+ * multi-MB tensor costs page faults on first touch, more than the pass that fills it. Per thread. */
+at::Tensor scratch(const char *role, at::IntArrayRef shape, at::ScalarType dtype) {
+    thread_local std::unordered_map<std::string, at::Tensor> bufs;
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    at::Tensor &buf = bufs[std::string(role) + at::toString(dtype)];
+    if (!buf.defined() || buf.numel() < n) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
+    return buf.narrow(0, 0, n).view(shape);
+}
+
+template <typename T>
+T *ptr(const at::Tensor &t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
+
+at::Tensor fp32_contiguous(const at::Tensor &t) { return t.to(at::kFloat).contiguous(); }
+
+/* bool (n) -> bits ((n + 7) / 8,) uint8: intqat.ops.masks.pack_mask */
+at::Tensor packed(const at::Tensor &mask) {
+    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr() /* bool: one byte, 0 or 1 */, mask.numel(), ptr<uint8_t>(bits));
+    return bits;
+}
+
+void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
+    if (bits.numel() && g.numel()) intqat_mask_zero_bits(ptr<float>(g), ptr<uint8_t>(bits), g.numel());
+}
+
+/* The backward GEMM a (R, C) fp32 (any strides) @ q (C, K) int8 -> (R, K) fp32 on the int8 units:
+ * cpu_fused.digit_matmul (digits stacked into one torch._int_mm call). z: q's zero point. */
+at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z) {
+    const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
+    at::Tensor digits = scratch("digits", {3, R, C}, at::kChar);
+    at::Tensor shift = at::empty({R}, at::TensorOptions().dtype(at::kInt));
+    at::Tensor rowsum = z ? at::empty({3, R}, at::TensorOptions().dtype(at::kInt)) : at::Tensor();
+    at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+    if (R == 0) return out;
+    intqat_split_digits(ptr<float>(a), R, C, a.stride(0), a.stride(1), ptr<float>(col_scale),
+                        col_scale.numel() > 1 ? 1 : 0, ptr<int8_t>(digits), C, R * C, ptr<int32_t>(shift),
+                        ptr<int32_t>(rowsum));
+    at::Tensor acc = scratch("digit_acc", {3 * R, K}, at::kInt);
+    at::_int_mm_out(acc, digits.view({3 * R, C}), q);
+    if (out.numel()) intqat_combine_digits(ptr<int32_t>(acc), R, K, ptr<int32_t>(shift), ptr<int32_t>(rowsum), z,
+                                           nullptr, ptr<float>(out));
+    return out;
+}
+
+/* (q - z) * scale per row (per_row) or one scale, into this thread's scratch for `role`: an operand that
+ * dies in the next mm (cpu_kernels.dequantize_rows). */
+at::Tensor dequantized(const char *role, const at::Tensor &q, const at::Tensor &scale, int32_t z, bool per_row) {
+    at::Tensor out = scratch(role, q.sizes(), at::kFloat);
+    const int64_t rows = per_row ? q.size(0) : 1;
+    if (q.numel())
+        intqat_dequantize_rows(ptr<int8_t>(q), rows, q.numel() / rows, ptr<float>(scale), per_row ? 1 : 0,
+                               (float)z, ptr<float>(out));
+    return out;
+}
+
+}  // namespace
+
+namespace intqat {  // (named: the autograd node reads CppNode<intqat::IntLinearTrain>)
+
+struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_scale,
+                              double x_scale, int64_t x_zero_point, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin,
+                              int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x, bool digits_w,
+                              double eps) {
+        TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                    "intqat_train::int_linear: x must be a contiguous (M, K) float32 tensor, got ", x.sizes());
+        TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "intqat_train::int_linear: weight ",
+                    weight.sizes(), " does not match x ", x.sizes());
+        const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+        const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar),
+                   i32 = at::TensorOptions().dtype(at::kInt);
+        const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
+
+        // activations: static per-tensor (clip mask kept for the STE) or dynamic per-token (nothing clips)
+        at::Tensor q_x = at::empty({M, K}, i8), s_x, bits_x = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        if (x_dynamic) {
+            s_x = at::empty({M, 1}, f32);
+            if (M) intqat_quantize_rows_dynamic(ptr<float>(x), M, K, (float)x_qmin, (float)x_qmax, (float)eps,
+                                                ptr<int8_t>(q_x), ptr<float>(s_x), nullptr);
+        } else {
+            s_x = at::full({1, 1}, x_scale, f32);
+            at::Tensor mask = scratch("mask_x", {M * K}, at::kBool);
+            if (x.numel()) intqat_quantize_rows(ptr<float>(x), M, K, ptr<float>(s_x), 0, (float)z, (float)x_qmin,
+                                                (float)x_qmax, ptr<int8_t>(q_x), (uint8_t *)mask.data_ptr(), nullptr);
+            bits_x = packed(mask);
+        }
+        // weights: symmetric per channel; a min-max scale (w_scale None) never clips
+        at::Tensor w = fp32_contiguous(weight.detach());
+        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        at::Tensor colsum = x_dynamic ? at::Tensor() : at::empty({N}, i32);
+        if (w_scale.has_value() && w_scale->defined()) {
+            s_w = w_scale->detach().reshape({-1}).to(at::kFloat, false, /*copy=*/true).contiguous();
+            at::Tensor mask = w_clip_mask ? scratch("mask_w", {N * K}, at::kBool) : at::Tensor();
+            if (w.numel()) intqat_quantize_rows(ptr<float>(w), N, K, ptr<float>(s_w), 1, 0.0f, (float)w_qmin,
+                                                (float)w_qmax, ptr<int8_t>(q_w),
+                                                mask.defined() ? (uint8_t *)mask.data_ptr() : nullptr,
+                                                ptr<int32_t>(colsum));
+            else if (colsum.defined()) colsum.zero_();
+            if (mask.defined()) bits_w = packed(mask);
+        } else {
+            s_w = at::empty({N}, f32);
+            if (N) intqat_quantize_rows_dynamic(ptr<float>(w), N, K, (float)w_qmin, (float)w_qmax, (float)eps,
+                                                ptr<int8_t>(q_w), ptr<float>(s_w), ptr<int32_t>(colsum));
+        }
+        // the int32 GEMM and the epilogue (the accumulator dies here: scratch)
+        at::Tensor y = at::empty({M, N}, f32);
+        if (M && N) {
+            at::Tensor acc = scratch("acc", {M, N}, at::kInt);
+            if (K) at::_int_mm_out(acc, q_x, q_w.t()); else acc.zero_();
+            at::Tensor b = bias.has_value() && bias->defined() ? fp32_contiguous(bias->detach()) : at::Tensor();
+            intqat_epilogue(ptr<int32_t>(acc), M, N, z, x_dynamic ? nullptr : ptr<int32_t>(colsum), ptr<float>(s_x),
+                            s_x.numel() > 1 ? 1 : 0, ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
+        }
+        ctx->save_for_backward({q_x, bits_x, q_w, bits_w, s_x, s_w});
+        ctx->saved_data["z"] = (int64_t)z;
+        ctx->saved_data["digits_x"] = digits_x;
+        ctx->saved_data["digits_w"] = digits_w;
+        ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list out(15);  // one per forward input; only x, weight, bias get gradients
+        at::Tensor g = grads[0];
+        if (!g.defined()) return out;
+        g = g.to(at::kFloat);
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
+                         &s_w = saved[5];
+        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
+        if (ctx->needs_input_grad(0)) {
+            at::Tensor gx = ctx->saved_data["digits_x"].toBool()
+                                ? digit_matmul(g, s_w, q_w, 0)
+                                : at::mm(g, dequantized("w_hat", q_w, s_w, 0, /*per_row=*/true));
+            mask_zero_bits_(gx, bits_x);
+            out[0] = gx;
+        }
+        if (ctx->needs_input_grad(1)) {
+            at::Tensor s = s_x.reshape({-1});
+            at::Tensor gw = ctx->saved_data["digits_w"].toBool()
+                                ? digit_matmul(g.t(), s, q_x, z)
+                                : at::mm(g.t(), dequantized("x_hat", q_x, s, z, /*per_row=*/s.numel() > 1));
+            mask_zero_bits_(gw, bits_w);
+            out[1] = gw;
+        }
+        // (edges: x, weight, then bias only when given: ask about edge 2 only then)
+        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+        return out;
+    }
+};
+
+}  // namespace intqat
+
+namespace {
+
+at::Tensor int_linear(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                      const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point, int64_t x_qmin,
+                      int64_t x_qmax, int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x,
+                      bool digits_w, double eps) {
+    return intqat::IntLinearTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, x_qmin, x_qmax, w_qmin, w_qmax,
+                                 x_dynamic, w_clip_mask, digits_x, digits_w, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(intqat_train, m) {
+    m.def("int_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? w_scale, float x_scale, int x_zero_point, "
+          "int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x, "
+          "bool digits_w, float eps) -> Tensor",
+          int_linear);
+}

@@ -1,0 +1,219 @@
+"""The C++ training op (kernels/cpu/train_linear.cpp, intqat.ops.cpp_linear) against int_linear's Python
+path, bit for bit: outputs, the gradients of x, W and b, with every setting the op takes.
+
+The op runs the cpu_fused backend's kernels, so each check forces that backend: it runs (and is checked)
+on every CPU where the kernels build, with int8 dot products or not. A machine where the C++ build fails
+skips these with the reason, and the session summary (conftest.py) says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import intqat
+from intqat.ops import backends, cpp_linear
+from intqat.ops.int_linear import int_linear
+
+X_SCALE, X_ZERO_POINT = 0.02, 3.0
+
+
+@pytest.fixture(autouse=True)
+def _op_runs_here():
+    reason = cpp_linear.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"C++ training op cannot run here: {reason}")
+    if backends.unavailable("cpu_fused") is not None:
+        pytest.skip(f"C++ training op cannot run here: backend cpu_fused: {backends.unavailable('cpu_fused')}")
+
+
+def _node(y: torch.Tensor) -> str:
+    fn = y.grad_fn
+    while fn is not None and fn.name() in ("ViewBackward0", "ReshapeAliasBackward0"):
+        fn = fn.next_functions[0][0]
+    return fn.name()
+
+
+def _step(M, K, N, *, dynamic, w_scale, bias, grad_gemm, python, g_transform=None, seed=0):
+    """int_linear forward + backward on fresh leaves -> (node name, y, grad_x, grad_w, grad_b)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=gen) * 2).requires_grad_()
+    w = torch.randn(N, K, generator=gen).requires_grad_()
+    b = torch.randn(N, generator=gen).requires_grad_() if bias else None
+    # a fixed weight scale 0.7x the min-max one: some weights clip, so the weight mask matters
+    ws = w.detach().abs().amax(1) / 127 * 0.7 if w_scale else None
+    g = torch.randn(M, N, generator=gen)
+    if g_transform is not None:
+        g = g_transform(g)
+    with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()):
+        y = int_linear(x, w, b, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), ws, x_dynamic=dynamic,
+                       grad_gemm=grad_gemm)
+        node = _node(y)
+        y.backward(g)
+    return node, y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+def _assert_same(got, want):
+    for name, a, b in zip(("y", "grad_x", "grad_w", "grad_b"), got[1:], want[1:]):
+        assert (a is None) == (b is None), name
+        if a is not None:  # the bits: NaN == NaN, and -0.0 != 0.0
+            assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32)), (
+                f"{name}: max |diff| {(a - b).abs().nan_to_num().max()}")
+
+
+# (M, K, N): BERT-tiny's projections (both backward GEMMs as digits where they pay), odd sizes, one row,
+# a long contraction, and shapes on either side of digits_pay's thresholds
+SHAPES = [(256, 128, 384), (7, 33, 5), (1, 16, 3), (300, 512, 128), (64, 256, 512), (1024, 128, 128)]
+SETTINGS = list(itertools.product([False, True], [False, True], [False, True], ["int8x3", "fp32"]))
+
+
+@pytest.mark.parametrize("M,K,N", SHAPES)
+@pytest.mark.parametrize("dynamic,w_scale,bias,grad_gemm", SETTINGS)
+def test_cpp_op_equals_the_python_path(M, K, N, dynamic, w_scale, bias, grad_gemm):
+    got = _step(M, K, N, dynamic=dynamic, w_scale=w_scale, bias=bias, grad_gemm=grad_gemm, python=False)
+    want = _step(M, K, N, dynamic=dynamic, w_scale=w_scale, bias=bias, grad_gemm=grad_gemm, python=True)
+    assert "IntLinearTrain" in got[0] and want[0] == "_IntLinearEagerBackward"  # each path really ran
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("transform", ["strided", "expanded", "non_finite"])
+def test_cpp_op_takes_any_incoming_gradient(transform):
+    """A strided or broadcast gradient (what a slice or a sum hands back), and NaN / inf in it (a row the
+    digit split flags): the same bits as the Python path, digits or fp32."""
+    def strided(g):
+        return torch.cat([g, g], dim=1)[:, ::2]
+
+    def expanded(g):
+        return g[:1].expand_as(g)
+
+    def non_finite(g):
+        g = g.clone()
+        g[3, 5], g[10, 0] = float("nan"), float("inf")
+        return g
+
+    fn = {"strided": strided, "expanded": expanded, "non_finite": non_finite}[transform]
+    for grad_gemm in ("int8x3", "fp32"):
+        kw = dict(dynamic=False, w_scale=True, bias=True, grad_gemm=grad_gemm, g_transform=fn)
+        _assert_same(_step(256, 128, 384, python=False, **kw), _step(256, 128, 384, python=True, **kw))
+
+
+@pytest.mark.parametrize("needs", ["x", "w", "b", "w,b"])
+def test_cpp_op_computes_only_the_gradients_asked_for(needs):
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(64, 96, generator=gen), torch.randn(40, 96, generator=gen), torch.randn(40, generator=gen)
+    leaves = {"x": x, "w": w, "b": b}
+    for name in needs.split(","):
+        leaves[name].requires_grad_()
+    with backends.use_backend("cpu_fused"):
+        y = int_linear(x, w, b, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), None)
+        assert "IntLinearTrain" in _node(y)
+        y.sum().backward()
+    for name, t in leaves.items():
+        assert (t.grad is not None) == (name in needs.split(","))
+
+
+def test_saved_tensor_hooks_see_what_the_op_keeps():
+    """Activation offloading / memory accounting hooks (torch.autograd.graph.saved_tensors_hooks) see the
+    int8 codes and the mask bits, not fp32 copies: 1 byte per activation and weight, 1 bit per mask."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(16, 64, requires_grad=True)
+    with backends.use_backend("cpu_fused"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = int_linear(x, w, None, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), None)
+    assert "IntLinearTrain" in _node(y)
+    dtypes = sorted(str(t.dtype) for t in saved)
+    assert dtypes.count("torch.int8") == 2 and "torch.uint8" in dtypes
+    assert max(t.numel() * t.element_size() for t in saved) == 32 * 64  # q_x, nothing fp32 of x's size
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+def test_learned_scales_keep_the_python_path():
+    """LSQ scale gradients are the Python path's: a scale that requires grad is never given to the op."""
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(16, 64, requires_grad=True)
+    s = torch.tensor([X_SCALE], requires_grad=True)
+    with backends.use_backend("cpu_fused"):
+        y = int_linear(x, w, None, s, torch.tensor([X_ZERO_POINT]), None)
+    assert _node(y) == "_IntLinearEagerBackward"
+    y.sum().backward()
+    assert s.grad is not None
+
+
+def test_other_forced_backends_keep_the_python_path():
+    x, w = torch.randn(32, 64, requires_grad=True), torch.randn(16, 64, requires_grad=True)
+    for name in ("reference", "fp32_exact"):
+        with backends.use_backend(name):
+            y = int_linear(x, w, None, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), None)
+        assert _node(y) == "_IntLinearEagerBackward", name
+
+
+def test_a_model_trains_the_same_through_the_op():
+    """An integer MLP and an integer encoder layer (MHA projections, FFN) through a few Adam steps: the
+    same losses and weights, bit for bit, with the op and with the Python path."""
+    def train(model_fn, x, python):
+        torch.manual_seed(0)
+        m = model_fn()
+        intqat.prepare_qat(m, "w8a8")
+        intqat.calibrate(m, [x])
+        intqat.to_integer(m)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        losses = []
+        with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()):
+            for _ in range(3):
+                opt.zero_grad()
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    def mlp():
+        return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 8))
+
+    def encoder():
+        return nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+
+    for model_fn, x in ((mlp, torch.randn(40, 48)), (encoder, torch.randn(4, 10, 32))):
+        a, b = train(model_fn, x, python=False), train(model_fn, x, python=True)
+        assert a[0] == b[0]
+        assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=300)
+
+
+def test_switched_off_or_unbuildable_keeps_the_python_path_and_says_so(tmp_path):
+    code = (
+        "import warnings, torch\n"
+        "from intqat.ops import cpp_linear\n"
+        "from intqat.ops.int_linear import int_linear\n"
+        "x = torch.randn(8, 16, requires_grad=True); w = torch.randn(4, 16, requires_grad=True)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    y = int_linear(x, w, None, torch.tensor([0.05]), torch.tensor([0.0]), None)\n"
+        "fn = y.grad_fn.next_functions[0][0] if y.grad_fn.name() == 'ViewBackward0' else y.grad_fn\n"
+        "print(fn.name()); print(cpp_linear.unavailable_reason())\n"
+        "print(any('C++ training op' in str(c.message) for c in caught))\n"
+    )
+    off = _python(code, INTQAT_CPP_STEP="0")
+    assert off.returncode == 0, off.stderr
+    node, reason, warned = off.stdout.split("\n")[:3]
+    assert node == "_IntLinearEagerBackward" and "INTQAT_CPP_STEP=0" in reason and warned == "False"
+
+    # no C++ compiler (and a cache that holds no built op): the Python path, and one warning naming why
+    broken = _python(code, CXX=str(tmp_path / "no-such-c++"), INTQAT_CACHE_DIR=str(tmp_path / "cache"))
+    assert broken.returncode == 0, broken.stderr
+    node, reason, warned = broken.stdout.split("\n")[:3]
+    assert node == "_IntLinearEagerBackward" and "build failed" in reason and warned == "True"
