@@ -53,4 +53,4 @@ def pytest_terminal_summary(terminalreporter):
 
     reason = cpp_linear.unavailable_reason()
     status = "runs here" if reason is None else f"NOT RUN here: {reason}"
-    terminalreporter.write_line(f"  C++ training op (cpu_fused's int_linear step, kernels/cpu/train_linear.cpp): {status}")
+    terminalreporter.write_line(f"  C++ training op (int_linear's eager CPU step, kernels/cpu/train_linear.cpp): {status}")

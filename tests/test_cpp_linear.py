@@ -40,7 +40,7 @@ def _node(y: torch.Tensor) -> str:
     return fn.name()
 
 
-def _step(M, K, N, *, dynamic, w_scale, bias, grad_gemm, python, g_transform=None, seed=0):
+def _step(M, K, N, *, dynamic, w_scale, bias, grad_gemm, python, g_transform=None, seed=0, forced="cpu_fused"):
     """int_linear forward + backward on fresh leaves -> (node name, y, grad_x, grad_w, grad_b)."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(M, K, generator=gen) * 2).requires_grad_()
@@ -51,7 +51,7 @@ def _step(M, K, N, *, dynamic, w_scale, bias, grad_gemm, python, g_transform=Non
     g = torch.randn(M, N, generator=gen)
     if g_transform is not None:
         g = g_transform(g)
-    with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()):
+    with backends.use_backend(forced), (cpp_linear.disabled() if python else torch.enable_grad()):
         y = int_linear(x, w, b, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), ws, x_dynamic=dynamic,
                        grad_gemm=grad_gemm)
         node = _node(y)
@@ -76,10 +76,27 @@ SETTINGS = list(itertools.product([False, True], [False, True], [False, True], [
 @pytest.mark.parametrize("M,K,N", SHAPES)
 @pytest.mark.parametrize("dynamic,w_scale,bias,grad_gemm", SETTINGS)
 def test_cpp_op_equals_the_python_path(M, K, N, dynamic, w_scale, bias, grad_gemm):
-    got = _step(M, K, N, dynamic=dynamic, w_scale=w_scale, bias=bias, grad_gemm=grad_gemm, python=False)
-    want = _step(M, K, N, dynamic=dynamic, w_scale=w_scale, bias=bias, grad_gemm=grad_gemm, python=True)
+    kw = dict(dynamic=dynamic, w_scale=w_scale, bias=bias, grad_gemm=grad_gemm)
+    with backends.recording() as ran:
+        got = _step(M, K, N, python=False, **kw)
+    want = _step(M, K, N, python=True, **kw)
     assert "IntLinearTrain" in got[0] and want[0] == "_IntLinearEagerBackward"  # each path really ran
+    assert ran[(cpp_linear.RECORDED_AS, "cpu_fused")] == 1 and ran[("linear", "cpu_fused")] == 1
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("M,K,N", [(256, 128, 384), (7, 33, 5), (300, 512, 128)])
+@pytest.mark.parametrize("dynamic,w_scale", [(False, False), (False, True), (True, False)])
+def test_cpp_op_with_the_avx2_int16_forward_equals_the_python_path(M, K, N, dynamic, w_scale):
+    """The forward GEMM of CPUs without int8 dot products (vpmaddwd, fused with the epilogue) inside the op."""
+    reason = backends.unavailable("avx2_int16")
+    if reason is not None:
+        pytest.skip(f"backend avx2_int16 cannot run here: {reason}")
+    kw = dict(dynamic=dynamic, w_scale=w_scale, bias=True, grad_gemm="int8x3", forced="avx2_int16")
+    with backends.recording() as ran:
+        got = _step(M, K, N, python=False, **kw)
+    assert "IntLinearTrain" in got[0] and ran[("linear", "avx2_int16")] == 1
+    _assert_same(got, _step(M, K, N, python=True, **kw))
 
 
 @pytest.mark.parametrize("transform", ["strided", "expanded", "non_finite"])

@@ -7,12 +7,13 @@ step is 0.2-0.5 ms at 2 threads, so that overhead decided whether an integer tra
 trained faster than fp32. The C++ op runs the same kernels (the fused C library, linked by path) and
 the same aten GEMMs in one call forward and one autograd node backward: same bits, ~5 us overhead.
 
-When it runs (`plan`): eager calls on plain CPU tensors where the backend table would run every
-primitive of the step on `cpu_fused` (the int8 GEMMs through torch._int_mm: CPUs with int8 dot
-products, AMX aside: the amx backend keeps its own kernels), with no learned (LSQ) scales. Anything
-else (tracing, CUDA, LSQ, a forced backend other than cpu_fused, a CPU without int8 dot products)
-takes the Python path, which computes the same numbers. INTQAT_CPP_STEP=0 turns it off (tests compare
-both); a build failure (no C++ compiler, no torch headers) warns once and keeps the Python path.
+When it runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the backend
+table would run the forward GEMM on `cpu_fused` (torch._int_mm: CPUs with int8 dot products) or
+`avx2_int16` (vpmaddwd: AVX2 CPUs without them) and every other primitive of the step on `cpu_fused`.
+Anything else (tracing, CUDA, LSQ, the amx backend's large layers, a forced backend whose kernels the op
+does not call) takes the Python path, which computes the same numbers. INTQAT_CPP_STEP=0 turns it off
+(tests compare both); a build failure (no C++ compiler, no torch headers) warns once and keeps the
+Python path.
 
 The library is compiled on first use (~10 s, `$CXX`, default `c++`) against torch's headers into the
 kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
@@ -108,17 +109,19 @@ def disabled():
 
 
 RECORDED_AS = "int_linear_cpp"  # what `backends.recording()` counts per call of the op, beside its primitives
+_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # the forward GEMM the op can run: torch._int_mm, AVX2 vpmaddwd
 _plans: dict[tuple, tuple | None] = {}
 
 
 def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: bool, grad_gemm: str) -> tuple | None:
-    """(digits_x, digits_w, primitives) when the C++ op may run this call, else None.
+    """(gemm, digits_x, digits_w, ran) when the C++ op may run this call, else None.
 
     Decided once per shape and setting (and per forced backend / kernels switch): the op may run when
-    the backend table would put every primitive of the step on cpu_fused, the backend whose kernels
-    the op calls. `primitives`: what one step runs, recorded per call as the backend table records
-    the Python path's (`intqat.ops.backends.recording`). The caller has checked the tensors (plain
-    CPU, nothing tracing, no learned scales).
+    the backend table would put the forward GEMM on cpu_fused (torch._int_mm) or avx2_int16, and every
+    other primitive of the step on cpu_fused: the kernels the op calls. `ran`: (primitive, backend) per
+    primitive one step runs, recorded per call as the backend table records the Python path's
+    (`intqat.ops.backends.recording`). The caller has checked the tensors (plain CPU, nothing tracing,
+    no learned scales).
     """
     if not available():
         return None
@@ -130,16 +133,19 @@ def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: b
         digits_x = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="x")
         digits_w = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="w")
         x_mask = not x_dynamic
-        forward = ["quantize_rows_dynamic" if x_dynamic else "quantize_rows",
-                   "quantize_rows" if w_scale_given else "quantize_rows_dynamic", "linear"]
-        forward += ["pack_mask"] * (x_mask + w_mask)
-        backward = []
+        steps = ["quantize_rows_dynamic" if x_dynamic else "quantize_rows",
+                 "quantize_rows" if w_scale_given else "quantize_rows_dynamic"]
+        steps += ["pack_mask"] * (x_mask + w_mask)
         for digits, masked in ((digits_x, x_mask), (digits_w, w_mask)):
-            backward += ["digit_matmul" if digits else "dequantize_rows"] + ["mask_zero_packed_"] * masked
-        steps = (*forward, *backward)
-        if all(getattr(backends.select(p, record=False, at_run_time=True, shape=(M, K, N)), "name", None)
-               == "cpu_fused" for p in set(steps)):
-            result = (digits_x, digits_w, (RECORDED_AS, *steps))
+            steps += ["digit_matmul" if digits else "dequantize_rows"] + ["mask_zero_packed_"] * masked
+
+        def backend(primitive):
+            return getattr(backends.select(primitive, record=False, at_run_time=True, shape=(M, K, N)), "name", None)
+
+        linear = backend("linear")
+        if linear in _GEMMS and all(backend(p) == "cpu_fused" for p in set(steps)):
+            ran = ((RECORDED_AS, linear), ("linear", linear), *((p, "cpu_fused") for p in steps))
+            result = (_GEMMS[linear], digits_x, digits_w, ran)
     if len(_plans) < 4096:
         _plans[key] = result
     return result
@@ -154,7 +160,7 @@ def run(p: tuple, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Ten
     global _op
     if _op is None:
         _op = torch.ops.intqat_train.int_linear.default
-    digits_x, digits_w, primitives = p
-    backends.note_ran(primitives, "cpu_fused")
+    gemm, digits_x, digits_w, ran = p
+    backends.note_ran(ran)
     return _op(x2d, weight, bias, w_scale, x_scale, z_x, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask,
-               digits_x, digits_w, SCALE_EPS)
+               gemm, digits_x, digits_w, SCALE_EPS)

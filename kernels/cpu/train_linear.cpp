@@ -46,7 +46,14 @@ void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64
                          int64_t ss, int8_t *digits, int64_t ld, int64_t plane, int32_t *shift, int32_t *rowsum);
 void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
                            int32_t z, const uint8_t *mask, float *out);
+// int16_gemm.c (the avx2_int16 backend's linear; in every build, an aborting stub without AVX2, which the
+// Python side never asks for: cpu_kernels.int16_gemm_available())
+void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
+                         const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
+                         const float *bias, int16_t *ap, int16_t *bp, float *y);
 }
+
+enum Gemm : int64_t { INT_MM = 0 /* torch._int_mm: cpu_fused */, INT16 = 1 /* AVX2 vpmaddwd: avx2_int16 */ };
 
 namespace {
 
@@ -119,8 +126,8 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &w_scale,
                               double x_scale, int64_t x_zero_point, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin,
-                              int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x, bool digits_w,
-                              double eps) {
+                              int64_t w_qmax, bool x_dynamic, bool w_clip_mask, int64_t gemm, bool digits_x,
+                              bool digits_w, double eps) {
         TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "intqat_train::int_linear: x must be a contiguous (M, K) float32 tensor, got ", x.sizes());
         TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "intqat_train::int_linear: weight ",
@@ -161,14 +168,24 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
             if (N) intqat_quantize_rows_dynamic(ptr<float>(w), N, K, (float)w_qmin, (float)w_qmax, (float)eps,
                                                 ptr<int8_t>(q_w), ptr<float>(s_w), ptr<int32_t>(colsum));
         }
-        // the int32 GEMM and the epilogue (the accumulator dies here: scratch)
+        // the int32 GEMM and the epilogue
         at::Tensor y = at::empty({M, N}, f32);
         if (M && N) {
-            at::Tensor acc = scratch("acc", {M, N}, at::kInt);
-            if (K) at::_int_mm_out(acc, q_x, q_w.t()); else acc.zero_();
             at::Tensor b = bias.has_value() && bias->defined() ? fp32_contiguous(bias->detach()) : at::Tensor();
-            intqat_epilogue(ptr<int32_t>(acc), M, N, z, x_dynamic ? nullptr : ptr<int32_t>(colsum), ptr<float>(s_x),
-                            s_x.numel() > 1 ? 1 : 0, ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
+            const int32_t *cs = x_dynamic ? nullptr : ptr<int32_t>(colsum);
+            if (gemm == INT16) {  // GEMM and epilogue in one pass (cpu_kernels.int16_linear: same packs)
+                const int64_t kp = K + (K & 1);
+                at::Tensor ap = scratch("int16_a", {(M + 11) / 12 * 12 * kp}, at::kShort);
+                at::Tensor bp = scratch("int16_b", {(N + 15) / 16 * 16 * kp}, at::kShort);
+                intqat_int16_linear(ptr<int8_t>(q_x), M, K, ptr<int8_t>(q_w), N, z, cs, ptr<float>(s_x),
+                                    s_x.numel() > 1 ? 1 : 0, ptr<float>(s_w), ptr<float>(b), ptr<int16_t>(ap),
+                                    ptr<int16_t>(bp), ptr<float>(y));
+            } else {  // torch._int_mm, then the epilogue (the accumulator dies here: scratch)
+                at::Tensor acc = scratch("acc", {M, N}, at::kInt);
+                at::_int_mm_out(acc, q_x, q_w.t());
+                intqat_epilogue(ptr<int32_t>(acc), M, N, z, cs, ptr<float>(s_x), s_x.numel() > 1 ? 1 : 0,
+                                ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
+            }
         }
         ctx->save_for_backward({q_x, bits_x, q_w, bits_w, s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
@@ -179,7 +196,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        variable_list out(15);  // one per forward input; only x, weight, bias get gradients
+        variable_list out(16);  // one per forward input; only x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
@@ -214,17 +231,17 @@ namespace {
 
 at::Tensor int_linear(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                       const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point, int64_t x_qmin,
-                      int64_t x_qmax, int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x,
-                      bool digits_w, double eps) {
+                      int64_t x_qmax, int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, int64_t gemm,
+                      bool digits_x, bool digits_w, double eps) {
     return intqat::IntLinearTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, x_qmin, x_qmax, w_qmin, w_qmax,
-                                 x_dynamic, w_clip_mask, digits_x, digits_w, eps);
+                                 x_dynamic, w_clip_mask, gemm, digits_x, digits_w, eps);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(intqat_train, m) {
     m.def("int_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? w_scale, float x_scale, int x_zero_point, "
-          "int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_x, "
-          "bool digits_w, float eps) -> Tensor",
+          "int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, bool w_clip_mask, int gemm, "
+          "bool digits_x, bool digits_w, float eps) -> Tensor",
           int_linear);
 }

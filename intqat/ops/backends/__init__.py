@@ -140,12 +140,11 @@ def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | Non
     return chosen
 
 
-def note_ran(primitives: tuple[str, ...], name: str) -> None:
-    """Record that backend `name` ran these primitives (a fused caller, such as the C++ training op,
-    that runs several of one backend's primitives in one call)."""
-    chosen = _BY_NAME[name]
-    for primitive in primitives:
-        _note(primitive, chosen, True)
+def note_ran(ran: tuple[tuple[str, str], ...]) -> None:
+    """Record (primitive, backend name) pairs as run: for a fused caller, such as the C++ training op
+    (intqat.ops.cpp_linear), that runs several primitives in one call."""
+    for primitive, name in ran:
+        _note(primitive, _BY_NAME[name], True)
 
 
 def choices() -> dict[str, str]:
