@@ -21,8 +21,8 @@ kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
+import logging
 import os
 import threading
 import warnings
@@ -37,10 +37,11 @@ from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run"]
 
+_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason: str | None = None  # why it is not available (None: it is, or not tried)
-_disabled_depth = 0
+_switch = cpu_kernels.OffSwitch()
 
 
 def _source() -> Path:
@@ -60,6 +61,7 @@ def _build_and_load() -> None:
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
+    _log.info("intqat: building the C++ training op (kernels/cpu/train_linear.cpp; ~15 s, once per torch / CPU)")
     path = cpu_kernels.build_library([_source()], compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
                                      prefix="train_linear", link=link)
     torch.ops.load_library(str(path))
@@ -89,7 +91,7 @@ def _load() -> bool:
 
 def available() -> bool:
     """Is the C++ op built, loaded and not switched off (by `disabled()` / INTQAT_CPP_STEP=0)?"""
-    return _disabled_depth == 0 and (_loaded if _loaded is not None else _load())
+    return _switch.depth == 0 and (_loaded if _loaded is not None else _load())
 
 
 def unavailable_reason() -> str | None:
@@ -97,15 +99,9 @@ def unavailable_reason() -> str | None:
     return None if available() else (_reason or "disabled in this block")
 
 
-@contextlib.contextmanager
 def disabled():
     """Run int_linear's Python path inside the block (tests compare both)."""
-    global _disabled_depth
-    _disabled_depth += 1
-    try:
-        yield
-    finally:
-        _disabled_depth -= 1
+    return _switch.off()
 
 
 RECORDED_AS = "int_linear_cpp"  # what `backends.recording()` counts per call of the op, beside its primitives

@@ -111,7 +111,26 @@ _SIGNATURES = {
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _load_tried = False
-_disabled_depth = 0
+
+
+class OffSwitch:
+    """A nestable off switch: inside `with switch.off():` blocks (any depth) `switch.depth` > 0."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self):
+        self.depth = 0
+
+    @contextlib.contextmanager
+    def off(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+
+_switch = OffSwitch()
 
 
 _SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c")  # compiled together into one library
@@ -242,23 +261,17 @@ def library_path() -> str:
 def available() -> bool:
     """True when the fused kernels are built, loaded and not switched off by `disabled()`."""
     # once loaded, no lock and no call: this runs per dispatch (and must not break dynamo's graphs)
-    return _disabled_depth == 0 and (_lib is not None or (not _load_tried and _load() is not None))
+    return _switch.depth == 0 and (_lib is not None or (not _load_tried and _load() is not None))
 
 
 def disabled_depth() -> int:
     """How many `disabled()` blocks are open (0: the kernels may run); part of dispatch's cache key."""
-    return _disabled_depth
+    return _switch.depth
 
 
-@contextlib.contextmanager
 def disabled():
     """Run the torch reference path inside the block (tests compare both paths)."""
-    global _disabled_depth
-    _disabled_depth += 1
-    try:
-        yield
-    finally:
-        _disabled_depth -= 1
+    return _switch.off()
 
 
 _scratch = threading.local()

@@ -6,13 +6,15 @@
  * BERT-tiny layer's whole fp32 step (~0.2-0.5 ms at 2 threads) cannot hide. Here the same kernels run
  * in one call for the forward and one autograd node for the backward (~5 us of overhead).
  *
- * Same bits as the Python path (intqat/ops/int_linear.py, backend cpu_fused), step for step:
- * the elementwise passes are the very functions of the fused C library (fused.c, linked by path, one
- * copy in the process), the GEMMs the same aten calls (torch._int_mm, mm) on the same layouts.
- * tests/test_train_linear.py compares outputs and gradients bit for bit.
+ * Same bits as the Python path (intqat/ops/int_linear.py, backends cpu_fused / avx2_int16), step for
+ * step: the elementwise passes and the AVX2 GEMM are the very functions of the fused C library (fused.c,
+ * int16_gemm.c; linked by path, one copy in the process), the other GEMMs the same aten calls
+ * (torch._int_mm, mm) on the same layouts. tests/test_cpp_linear.py compares outputs and gradients bit
+ * for bit.
  *
- * Taken only where the Python dispatch would pick cpu_fused for everything (intqat/ops/cpp_linear.py
- * decides per shape): plain CPU tensors, nothing tracing, no learned (LSQ) scales.
+ * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM) or avx2_int16
+ * (INT16) and everything else on cpu_fused (intqat/ops/cpp_linear.py decides per shape): plain CPU
+ * tensors, nothing tracing, no learned (LSQ) scales.
  *
  * Forward, x (M, K) fp32 contiguous, W (N, K) (any strides):
  *     q_x, mask_x = quantize(x, s_x, z)          static per-tensor; dynamic: per-token s_x[m], z = 0
