@@ -175,8 +175,9 @@ def test_other_forced_backends_keep_the_python_path():
 
 
 def test_a_model_trains_the_same_through_the_op():
-    """An integer MLP and an integer encoder layer (MHA projections, FFN) through a few Adam steps: the
-    same losses and weights, bit for bit, with the op and with the Python path."""
+    """An integer MLP, an integer encoder layer (MHA projections, FFN) and a GPT-2-style MLP of transformers'
+    Conv1D layers through a few Adam steps: the same losses and weights, bit for bit, with the op and with
+    the Python path."""
     def train(model_fn, x, python):
         torch.manual_seed(0)
         m = model_fn()
@@ -185,13 +186,16 @@ def test_a_model_trains_the_same_through_the_op():
         intqat.to_integer(m)
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
         losses = []
-        with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()):
+        with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()), \
+                backends.recording() as ran:
             for _ in range(3):
                 opt.zero_grad()
                 loss = m(x).square().mean()
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
+        steps = ran[(cpp_linear.RECORDED_AS, "cpu_fused")]  # every layer's step through the op, or none
+        assert steps == (0 if python else ran[("linear", "cpu_fused")]) and ran[("linear", "cpu_fused")] > 0
         return losses, [p.detach().clone() for p in m.parameters()]
 
     def mlp():
@@ -200,7 +204,12 @@ def test_a_model_trains_the_same_through_the_op():
     def encoder():
         return nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
 
-    for model_fn, x in ((mlp, torch.randn(40, 48)), (encoder, torch.randn(4, 10, 32))):
+    def gpt2_mlp():  # transformers' Conv1D: weight stored (in, out), read as the view weight.t()
+        from transformers.pytorch_utils import Conv1D
+
+        return nn.Sequential(Conv1D(64, 48), nn.GELU(), Conv1D(8, 64))
+
+    for model_fn, x in ((mlp, torch.randn(40, 48)), (encoder, torch.randn(4, 10, 32)), (gpt2_mlp, torch.randn(40, 48))):
         a, b = train(model_fn, x, python=False), train(model_fn, x, python=True)
         assert a[0] == b[0]
         assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
