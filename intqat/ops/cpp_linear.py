@@ -15,7 +15,7 @@ does not call) takes the Python path, which computes the same numbers. INTQAT_CP
 (tests compare both); a build failure (no C++ compiler, no torch headers) warns once and keeps the
 Python path.
 
-The library is compiled on first use (~10 s, `$CXX`, default `c++`) against torch's headers into the
+The library is compiled on first use (~15 s, `$CXX`, default `c++`) against torch's headers into the
 kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
 """
 

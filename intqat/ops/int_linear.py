@@ -474,8 +474,8 @@ def int_linear(
         x_zero_point = x_zero_point.to(torch.float32) if not x_zero_point.is_floating_point() else x_zero_point
     if w_clip_mask is None:
         w_clip_mask = True
-    lead = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    flat = x.dim() == 2  # (M, K) already: no view on either side (each one an autograd node per step)
+    x2d = (x if flat else x.reshape(-1, x.shape[-1])).to(torch.float32)
     y = None
     if backends.eager_cpu((x2d, weight, bias, x_scale, x_zero_point, w_scale)):
         y = _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
@@ -484,7 +484,7 @@ def int_linear(
         args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
                 x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
         y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
-    return y.reshape(*lead, weight.shape[0])
+    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
