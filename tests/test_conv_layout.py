@@ -53,6 +53,27 @@ def test_opcheck_in_both_layouts(fmt):
     torch.library.opcheck(torch.ops.intqat.int_conv2d.default, args)  # fake strides == real strides
 
 
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, CL])
+@pytest.mark.parametrize("groups,C,O", [(1, 6, 8), (6, 6, 6)])  # a plain and a depthwise conv
+def test_eager_function_equals_the_custom_op(groups, C, O, fmt):
+    """Eager calls skip torch.library's dispatch (an autograd.Function over the op's own forward and
+    backward); tracers see the custom op: the same outputs and gradients, LSQ scales included."""
+    x, w, b, s_x, z_x, s_w = _problem(groups=groups, C=C, O=O)
+    x = x.to(memory_format=fmt).requires_grad_()
+    inputs = [x, w.requires_grad_(), b.requires_grad_(), s_x.requires_grad_(), z_x.requires_grad_(),
+              s_w.requires_grad_()]
+    y = int_conv2d(x, w, b, s_x, z_x, s_w, padding=1, groups=groups)
+    assert y.grad_fn.name() == "_IntConv2dEagerBackward"
+    g = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+    grads = torch.autograd.grad(y, inputs, g)
+    y_op = torch.ops.intqat.int_conv2d(x, w, b, s_x, z_x, s_w, [1, 1], [1, 1], [1, 1], groups,
+                                       -128, 127, -127, 127, False, True)[0]
+    grads_op = torch.autograd.grad(y_op, inputs, g)
+    assert torch.equal(y, y_op) and y.stride() == y_op.stride()
+    for a, r in zip(grads, grads_op):
+        assert torch.equal(a, r)
+
+
 def test_lenet_style_view_after_the_swap():
     class LeNet(nn.Module):  # the classic tutorial model: .view() right after conv + pool
         def __init__(self):
