@@ -63,6 +63,23 @@ def test_integer_layers_refuse_non_finite_inputs_in_training(build, config, froz
     assert torch.equal(model(x), twin(x))  # and it goes on as if the batch had never come
 
 
+@pytest.mark.parametrize("bad", BAD, ids=["nan", "inf", "-inf"])
+def test_integer_attention_refuses_non_finite_inputs_in_training(bad):
+    """The integer MHA's projections are integer layers too: the same refusal, nothing moved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
+    x = torch.randn(2, 5, 16)
+    intqat.to_integer(intqat.prepare_qat(model, "w8a8"), calibration_data=[x])
+    model.train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x_bad = x.clone()
+    x_bad[1, 2, 3] = bad
+    with pytest.raises(NonFiniteInputError, match=r"integer layer '0.self_attn"):
+        model(x_bad)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
 def test_the_message_names_a_nested_layer_and_eval_stays_quiet():
     model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 4)))
     intqat.to_integer(model, calibration_data=[torch.randn(8, 16)])

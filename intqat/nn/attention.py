@@ -278,10 +278,7 @@ class IntMultiheadAttention(_QuantMHABase):
     def _project(self, group: str, x: Tensor, rows: slice) -> Tensor:
         w, wq_name, w_rows = self._weight(group)
         aq, wq = getattr(self, f"{group[0]}_input_quantizer"), getattr(self, wq_name)
-        if aq.observing:
-            aq.observe(x)
-        if not aq.dynamic:
-            aq._check_ready()
+        aq.integer_input(x)  # as IntLinear: observes (while observing), refuses NaN / inf in training, checks the scale
         rows_w = rows if w_rows is None else w_rows
         whole = rows_w == slice(None) or rows_w == slice(0, w.shape[0])  # no slice: no scatter of the gradient
         # min-max per-channel scales: the op computes them per row, the same numbers as for the whole weight

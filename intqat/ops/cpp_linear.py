@@ -1,21 +1,25 @@
-"""The eager CPU training step of `int_linear` as one C++ autograd op (kernels/cpu/train_linear.cpp).
+"""The eager CPU training step of an integer linear layer in C++: `int_linear`'s forward and backward as one
+autograd op (kernels/cpu/train_linear.cpp), and the static activation observer's update before it as one
+call (kernels/cpu/observe.cpp).
 
 Why: the Python path runs ~12 small steps per integer layer and call (backend choices, three C passes,
 an autograd.Function, a mask pack; in the backward a split, a GEMM and a combine twice): ~0.15 ms of
-interpreter and dispatch per layer and step, measured at every size. A BERT-tiny layer's whole fp32
-step is 0.2-0.5 ms at 2 threads, so that overhead decided whether an integer transformer block
-trained faster than fp32. The C++ op runs the same kernels (the fused C library, linked by path) and
-the same aten GEMMs in one call forward and one autograd node backward: same bits, ~5 us overhead.
+interpreter and dispatch per layer and step, measured at every size, and the observer ~18 us more. A
+BERT-tiny layer's whole fp32 step is 0.2-0.5 ms at 2 threads, so that overhead decided whether an
+integer transformer block trained faster than fp32. The C++ ops run the same kernels (the fused C
+library, linked by path) and the same aten GEMMs in one call forward and one autograd node backward:
+same bits, ~5 us overhead.
 
-When it runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the backend
-table would run the forward GEMM on `cpu_fused` (torch._int_mm: CPUs with int8 dot products) or
+When the step op runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the
+backend table would run the forward GEMM on `cpu_fused` (torch._int_mm: CPUs with int8 dot products) or
 `avx2_int16` (vpmaddwd: AVX2 CPUs without them) and every other primitive of the step on `cpu_fused`.
 Anything else (tracing, CUDA, LSQ, the amx backend's large layers, a forced backend whose kernels the op
-does not call) takes the Python path, which computes the same numbers. INTQAT_CPP_STEP=0 turns it off
-(tests compare both); a build failure (no C++ compiler, no torch headers) warns once and keeps the
-Python path.
+does not call) takes the Python path, which computes the same numbers. The observer op runs where the
+observer's own Python scalar path would, with `minmax` on `cpu_fused` (`ActivationQuantizer.integer_input`).
+INTQAT_CPP_STEP=0 turns both off (tests compare both ways); a build failure (no C++ compiler, no torch
+headers) warns once and keeps the Python paths.
 
-The library is compiled on first use (~15 s, `$CXX`, default `c++`) against torch's headers into the
+The library is compiled on first use (~20 s, `$CXX`, default `c++`) against torch's headers into the
 kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
 """
 
@@ -35,7 +39,7 @@ from intqat.ops import backends, cpu_kernels
 from intqat.ops.digit_gemm import digits_pay
 from intqat.ops.qparams import SCALE_EPS
 
-__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run"]
+__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run", "observe_minmax_"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -44,11 +48,12 @@ _reason: str | None = None  # why it is not available (None: it is, or not tried
 _switch = cpu_kernels.OffSwitch()
 
 
-def _source() -> Path:
+def _sources() -> list[Path]:
     spec = importlib.util.find_spec("intqat.kernels")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package intqat.kernels not found")
-    return Path(next(iter(spec.submodule_search_locations))) / "cpu" / "train_linear.cpp"
+    root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
+    return [root / "train_linear.cpp", root / "observe.cpp"]
 
 
 def _build_and_load() -> None:
@@ -56,13 +61,13 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension  # (imports setuptools: only when the op is first needed)
 
     torch_lib = Path(torch.__file__).parent / "lib"
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+    flags = ["-O2", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-    _log.info("intqat: building the C++ training op (kernels/cpu/train_linear.cpp; ~15 s, once per torch / CPU)")
-    path = cpu_kernels.build_library([_source()], compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
+    _log.info("intqat: building the C++ training ops (kernels/cpu/train_linear.cpp, observe.cpp; ~20 s, once)")
+    path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
                                      prefix="train_linear", link=link)
     torch.ops.load_library(str(path))
     _loaded = True
@@ -148,6 +153,20 @@ def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: b
 
 
 _op = None
+_observe_op = None
+
+
+def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,
+                    initialized: Tensor, first: bool, moving_average: bool, averaging_constant: float, qmin: int,
+                    qmax: int, symmetric: bool) -> int:
+    """One static activation-observer update in one C++ call (kernels/cpu/observe.cpp; buffers updated in
+    place): 1 observed, 0 the batch held NaN / inf, -1 the kept range is not finite; on 0 / -1 nothing
+    changed. Call only when `available()`, with float32 buffers and x a plain CPU tensor."""
+    global _observe_op
+    if _observe_op is None:
+        _observe_op = torch.ops.intqat_train.observe_minmax_.default
+    return _observe_op(x, min_val, max_val, scale, zero_point, initialized, first, moving_average,
+                       averaging_constant, qmin, qmax, symmetric, SCALE_EPS)
 
 
 def run(p: tuple, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None, x_scale: float,
