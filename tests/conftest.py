@@ -49,8 +49,8 @@ def pytest_terminal_summary(terminalreporter):
     for name, needs, reason in backends.summary():
         status = "runs here" if reason is None else f"NOT RUN here: {reason}"
         terminalreporter.write_line(f"  {name:<11} {status}  (needs: {needs})")
-    from intqat.ops import cpp_linear
+    from intqat.ops import cpp_step
 
-    reason = cpp_linear.unavailable_reason()
+    reason = cpp_step.unavailable_reason()
     status = "runs here" if reason is None else f"NOT RUN here: {reason}"
-    terminalreporter.write_line(f"  C++ training op (int_linear's eager CPU step, kernels/cpu/train_linear.cpp): {status}")
+    terminalreporter.write_line(f"  C++ training ops (int_linear / int_conv2d eager CPU steps and the observer, intqat/ops/cpp_step.py): {status}")

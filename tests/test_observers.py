@@ -135,9 +135,9 @@ def test_traced_observers_keep_their_range_without_a_host_sync(monkeypatch):
 
 
 def _cpp_observer_runs_here():
-    from intqat.ops import backends, cpp_linear
+    from intqat.ops import backends, cpp_step
 
-    reason = cpp_linear.unavailable_reason() or backends.unavailable("cpu_fused")
+    reason = cpp_step.unavailable_reason() or backends.unavailable("cpu_fused")
     if reason is not None:
         pytest.skip(f"C++ training op cannot run here: {reason}")
 
@@ -146,16 +146,16 @@ def _cpp_observer_runs_here():
 def test_the_cpp_observer_equals_the_python_paths(name, monkeypatch):
     """integer_input's C++ fast path (kernels/cpu/observe.cpp) against the Python scalar path and the
     tensor path: the same min / max / scale / zero point bits after every batch, first batch included."""
-    from intqat.ops import cpp_linear
+    from intqat.ops import cpp_step
 
     _cpp_observer_runs_here()
     calls = []
-    real = cpp_linear.observe_minmax_
-    monkeypatch.setattr(cpp_linear, "observe_minmax_", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = cpp_step.observe_minmax_
+    monkeypatch.setattr(cpp_step, "observe_minmax_", lambda *a: calls.append(real(*a)) or calls[-1])
     cpp, scalar, tensor = (ActivationQuantizer(SPECS[name]) for _ in range(3))
     for x in _batches(seed=4):
         cpp.integer_input(x)
-        with cpp_linear.disabled():
+        with cpp_step.disabled():
             scalar.integer_input(x)
         assert tensor._observe_tensor(x) is not False
         for a, b, c in zip(_state(cpp), _state(scalar), _state(tensor)):
@@ -168,13 +168,13 @@ def test_the_cpp_observer_hands_non_finite_cases_to_the_general_path():
     """A batch holding NaN / inf: nothing changes, and integer_input refuses it in training as before; a
     kept range that is not finite (a loaded state): the tensor path runs, as without the C++ op."""
     from intqat.nn.quantizers import NonFiniteInputError
-    from intqat.ops import cpp_linear
+    from intqat.ops import cpp_step
 
     _cpp_observer_runs_here()
     q, ref = ActivationQuantizer(SPECS["asym8 moving average"]), ActivationQuantizer(SPECS["asym8 moving average"])
     x = next(_batches())
     q.integer_input(x)
-    with cpp_linear.disabled():
+    with cpp_step.disabled():
         ref.integer_input(x)
     before = _state(q)
     for value in BAD:
@@ -187,7 +187,7 @@ def test_the_cpp_observer_hands_non_finite_cases_to_the_general_path():
     for m in (q, ref):
         m.max_val.fill_(float("inf"))
     q.integer_input(x * 2)
-    with cpp_linear.disabled():
+    with cpp_step.disabled():
         ref.integer_input(x * 2)
     for a, b in zip(_state(q), _state(ref)):
         assert torch.equal(a, b) or (a.isnan().all() and b.isnan().all()), (a, b)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from intqat.ops import cpp_linear, cpu_kernels
+from intqat.ops import cpp_step, cpu_kernels
 from intqat.ops import backends
 from intqat.ops.cpu_features import cpu_class, cpu_info, int8_gemm_outpaces_fp32_8x
 
@@ -114,7 +114,7 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "fused_cpu_kernels": cpu_kernels.available(),
-        "cpp_training_op": cpp_linear.unavailable_reason() or "on",
+        "cpp_training_op": cpp_step.unavailable_reason() or "on",
         "cpu_class": cpu_class(),
         # which rule `digits_pay` applies to the backward GEMMs through torch._int_mm
         "int8_8x_fp32": int8_gemm_outpaces_fp32_8x(),
@@ -165,10 +165,10 @@ def backends_used(run: Callable[[], object]) -> str:
     with backends.recording() as ran:
         run()
     gemms = {p: b for (p, b) in ran if p in _GEMM_PRIMITIVES}
-    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p != cpp_linear.RECORDED_AS})
+    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p != cpp_step.RECORDED_AS})
     parts = [f"{p}={b}" for p, b in sorted(gemms.items())]
-    if any(p == cpp_linear.RECORDED_AS for p, _ in ran):
-        parts.append("step=C++")  # int_linear's forward and backward through the C++ op (intqat.ops.cpp_linear)
+    if any(p == cpp_step.RECORDED_AS for p, _ in ran):
+        parts.append("step=C++")  # int_linear's forward and backward through the C++ op (intqat.ops.cpp_step)
     if passes:
         parts.append("passes=" + "+".join(passes))
     return " ".join(parts) or "-"

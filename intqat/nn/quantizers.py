@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantSpec
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.ops import backends, cpp_linear
+from intqat.ops import backends, cpp_step
 from intqat.ops.int_linear import minmax_weight_scale
 from intqat.ops.qparams import SCALE_EPS, _f32, _scale_zero_point, row_absmax, scale_zero_point_scalar
 
@@ -190,13 +190,13 @@ class ActivationQuantizer(nn.Module):
         if (torch.compiler.is_compiling() or torch.compiler.is_exporting()
                 or (dist.is_available() and dist.is_initialized())):
             return False  # (as _observe_scalar: traced programs and DDP take the tensor path)
-        if backends.select("minmax", x).name != "cpu_fused" or not cpp_linear.available():
+        if backends.select("minmax", x).name != "cpu_fused" or not cpp_step.available():
             return False
         buffers, f32 = self._buffers, torch.float32
         lo, hi, scale, zero_point = buffers["min_val"], buffers["max_val"], self.scale, self.zero_point
         if not (lo.dtype is f32 and hi.dtype is f32 and scale.dtype is f32 and zero_point.dtype is f32 and lo.is_cpu):
             return False  # (after model.double(), or on a GPU)
-        status = cpp_linear.observe_minmax_(
+        status = cpp_step.observe_minmax_(
             x, lo, hi, scale, zero_point, buffers["initialized"], not self._initialized,
             self.spec.observer != "minmax", self.spec.averaging_constant, self.qmin, self.qmax, self.spec.symmetric)
         if status != 1:

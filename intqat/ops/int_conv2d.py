@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops import backends
-from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point
+from intqat.ops import backends, cpp_step
+from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
@@ -317,5 +317,26 @@ def int_conv2d(
         w_clip_mask = True  # a min-max scale never clips: callers holding one may pass False
     args = (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, _pair(stride), _pair(padding),
             _pair(dilation), groups, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
+    if backends.eager_cpu((x, weight, bias, x_scale, x_zero_point, w_scale)):
+        y = _cpp_step(*args)
+        if y is not None:
+            return y
     eager = not backends.tracing(x, weight, bias, x_scale, x_zero_point, w_scale)
     return (_IntConv2dEager.apply if eager else _int_conv2d_op)(*args)[0]
+
+
+def _cpp_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups, x_qmin, x_qmax,
+              w_qmin, w_qmax, x_dynamic, w_clip_mask) -> Tensor | None:
+    """The step through the C++ op (intqat.ops.cpp_step: the same steps, one call each way) where it may run,
+    else None: eager plain CPU tensors (checked by the caller), static activations, no learned scales."""
+    if (x_dynamic or w_scale.requires_grad or x_scale.requires_grad or x_zero_point.requires_grad
+            or x_scale.dtype != torch.float32 or not x.numel()):
+        return None
+    O, Cg, kh, kw = weight.shape
+    if not O or not cpp_step.conv_plan(groups, Cg * kh * kw, x.shape[1] * kh * kw):
+        return None
+    s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
+    if z is None or s_x != s_x:
+        return None  # a NaN zero point or scale: the Python path says what torch says
+    return cpp_step.run_conv(x, weight, bias, w_scale, s_x, z, stride, padding, dilation, groups, x_qmin, x_qmax,
+                             w_qmin, w_qmax, w_clip_mask)

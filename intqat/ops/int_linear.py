@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops import backends, cpp_linear
+from intqat.ops import backends, cpp_step
 from intqat.ops.backends import MAX_K_INT32
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.masks import pack_mask, unpack_mask
@@ -489,14 +489,14 @@ def int_linear(
 
 def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
               w_clip_mask, grad_gemm) -> Tensor | None:
-    """The step through the C++ op (intqat.ops.cpp_linear: the same kernels, one call each way) where
+    """The step through the C++ op (intqat.ops.cpp_step: the same kernels, one call each way) where
     it may run, else None. Eager plain CPU tensors only (checked by the caller); not with learned scales."""
     if (w_scale is not None and w_scale.requires_grad) or (
             not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad or x_scale.dtype != torch.float32)):
         return None  # LSQ: its gradients are the Python path's
     M, K = x2d.shape
     w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
-    plan = cpp_linear.plan(M, K, weight.shape[0], x_dynamic, w_scale is not None, w_clip_mask, grad_gemm)
+    plan = cpp_step.plan(M, K, weight.shape[0], x_dynamic, w_scale is not None, w_clip_mask, grad_gemm)
     if plan is None:
         return None
     if x_dynamic:
@@ -505,5 +505,5 @@ def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax,
         s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
         if z is None or s_x != s_x:
             return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_linear.run(plan, x2d.contiguous(), weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
+    return cpp_step.run(plan, x2d.contiguous(), weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
                           x_dynamic, w_clip_mask)

@@ -9,11 +9,11 @@
  * Same bits as the Python path (intqat/ops/int_linear.py, backends cpu_fused / avx2_int16), step for
  * step: the elementwise passes and the AVX2 GEMM are the very functions of the fused C library (fused.c,
  * int16_gemm.c; linked by path, one copy in the process), the other GEMMs the same aten calls
- * (torch._int_mm, mm) on the same layouts. tests/test_cpp_linear.py compares outputs and gradients bit
+ * (torch._int_mm, mm) on the same layouts. tests/test_cpp_step.py compares outputs and gradients bit
  * for bit.
  *
  * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM) or avx2_int16
- * (INT16) and everything else on cpu_fused (intqat/ops/cpp_linear.py decides per shape): plain CPU
+ * (INT16) and everything else on cpu_fused (intqat/ops/cpp_step.py decides per shape): plain CPU
  * tensors, nothing tracing, no learned (LSQ) scales.
  *
  * Forward, x (M, K) fp32 contiguous, W (N, K) (any strides):

@@ -142,7 +142,7 @@ def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | Non
 
 def note_ran(ran: tuple[tuple[str, str], ...]) -> None:
     """Record (primitive, backend name) pairs as run: for a fused caller, such as the C++ training op
-    (intqat.ops.cpp_linear), that runs several primitives in one call."""
+    (intqat.ops.cpp_step), that runs several primitives in one call."""
     _last.update(ran)
     for counter in _recorders:
         counter.update(ran)

@@ -1,4 +1,4 @@
-"""The C++ training op (kernels/cpu/train_linear.cpp, intqat.ops.cpp_linear) against int_linear's Python
+"""The C++ training op (kernels/cpu/train_linear.cpp, intqat.ops.cpp_step) against int_linear's Python
 path, bit for bit: outputs, the gradients of x, W and b, with every setting the op takes.
 
 The op runs the cpu_fused backend's kernels, so each check forces that backend: it runs (and is checked)
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import intqat
-from intqat.ops import backends, cpp_linear
+from intqat.ops import backends, cpp_step
 from intqat.ops.int_linear import int_linear
 
 X_SCALE, X_ZERO_POINT = 0.02, 3.0
@@ -26,7 +26,7 @@ X_SCALE, X_ZERO_POINT = 0.02, 3.0
 
 @pytest.fixture(autouse=True)
 def _op_runs_here():
-    reason = cpp_linear.unavailable_reason()
+    reason = cpp_step.unavailable_reason()
     if reason is not None:
         pytest.skip(f"C++ training op cannot run here: {reason}")
     if backends.unavailable("cpu_fused") is not None:
@@ -51,7 +51,7 @@ def _step(M, K, N, *, dynamic, w_scale, bias, grad_gemm, python, g_transform=Non
     g = torch.randn(M, N, generator=gen)
     if g_transform is not None:
         g = g_transform(g)
-    with backends.use_backend(forced), (cpp_linear.disabled() if python else torch.enable_grad()):
+    with backends.use_backend(forced), (cpp_step.disabled() if python else torch.enable_grad()):
         y = int_linear(x, w, b, torch.tensor([X_SCALE]), torch.tensor([X_ZERO_POINT]), ws, x_dynamic=dynamic,
                        grad_gemm=grad_gemm)
         node = _node(y)
@@ -81,7 +81,7 @@ def test_cpp_op_equals_the_python_path(M, K, N, dynamic, w_scale, bias, grad_gem
         got = _step(M, K, N, python=False, **kw)
     want = _step(M, K, N, python=True, **kw)
     assert "IntLinearTrain" in got[0] and want[0] == "_IntLinearEagerBackward"  # each path really ran
-    assert ran[(cpp_linear.RECORDED_AS, "cpu_fused")] == 1 and ran[("linear", "cpu_fused")] == 1
+    assert ran[(cpp_step.RECORDED_AS, "cpu_fused")] == 1 and ran[("linear", "cpu_fused")] == 1
     _assert_same(got, want)
 
 
@@ -186,7 +186,7 @@ def test_a_model_trains_the_same_through_the_op():
         intqat.to_integer(m)
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
         losses = []
-        with backends.use_backend("cpu_fused"), (cpp_linear.disabled() if python else torch.enable_grad()), \
+        with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()), \
                 backends.recording() as ran:
             for _ in range(3):
                 opt.zero_grad()
@@ -194,7 +194,7 @@ def test_a_model_trains_the_same_through_the_op():
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
-        steps = ran[(cpp_linear.RECORDED_AS, "cpu_fused")]  # every layer's step through the op, or none
+        steps = ran[(cpp_step.RECORDED_AS, "cpu_fused")]  # every layer's step through the op, or none
         assert steps == (0 if python else ran[("linear", "cpu_fused")]) and ran[("linear", "cpu_fused")] > 0
         return losses, [p.detach().clone() for p in m.parameters()]
 
@@ -223,14 +223,14 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
 def test_switched_off_or_unbuildable_keeps_the_python_path_and_says_so(tmp_path):
     code = (
         "import warnings, torch\n"
-        "from intqat.ops import cpp_linear\n"
+        "from intqat.ops import cpp_step\n"
         "from intqat.ops.int_linear import int_linear\n"
         "x = torch.randn(8, 16, requires_grad=True); w = torch.randn(4, 16, requires_grad=True)\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
         "    warnings.simplefilter('always')\n"
         "    y = int_linear(x, w, None, torch.tensor([0.05]), torch.tensor([0.0]), None)\n"
         "fn = y.grad_fn.next_functions[0][0] if y.grad_fn.name() == 'ViewBackward0' else y.grad_fn\n"
-        "print(fn.name()); print(cpp_linear.unavailable_reason())\n"
+        "print(fn.name()); print(cpp_step.unavailable_reason())\n"
         "print(any('C++ training op' in str(c.message) for c in caught))\n"
     )
     off = _python(code, INTQAT_CPP_STEP="0")
@@ -243,3 +243,119 @@ def test_switched_off_or_unbuildable_keeps_the_python_path_and_says_so(tmp_path)
     assert broken.returncode == 0, broken.stderr
     node, reason, warned = broken.stdout.split("\n")[:3]
     assert node == "_IntLinearEagerBackward" and "build failed" in reason and warned == "True"
+
+
+# --- the conv op (kernels/cpu/train_conv.cpp) ------------------------------------------------------------
+
+def _conv_step(python, *, groups=1, C=6, O=8, k=3, stride=1, padding=1, dilation=1, layout="nchw", bias=True,
+               w_clip=True, g_transform=None, seed=0):
+    """int_conv2d forward + backward on fresh leaves -> (node, y, grad_x, grad_w, grad_b)."""
+    from intqat.ops.int_conv2d import int_conv2d
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, C, 11, 9, generator=gen) * 2
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    elif layout == "strided":  # not dense: every other column of a wider tensor
+        x = torch.randn(3, C, 11, 18, generator=gen)[..., ::2] * 2
+    x.requires_grad_()
+    w = (torch.randn(O, C // groups, k, k, generator=gen) * 0.3).requires_grad_()
+    b = torch.randn(O, generator=gen).requires_grad_() if bias else None
+    s_w = w.detach().abs().amax(dim=(1, 2, 3)) / 127 * (0.7 if w_clip else 1.0)  # 0.7: some weights clip
+    with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()):
+        y = int_conv2d(x, w, b, torch.tensor([0.03]), torch.tensor([-4.0]), s_w, stride=stride, padding=padding,
+                       dilation=dilation, groups=groups, w_clip_mask=w_clip)
+        node = y.grad_fn.name()
+        g = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        if g_transform is not None:
+            g = g_transform(g)
+        y.backward(g)
+    return node, y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+CONV_CASES = [
+    dict(),  # 3x3, pad 1: a ResNet / VGG conv
+    dict(layout="channels_last"),
+    dict(layout="strided"),
+    dict(k=1, padding=0),  # pointwise
+    dict(stride=2, padding=0, bias=False),
+    dict(dilation=2, padding=2, w_clip=False),
+    dict(groups=2, O=8),
+    dict(groups=6, O=6),  # depthwise
+    dict(groups=6, O=12, layout="channels_last", stride=2),  # depthwise x2
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()) or "3x3")
+def test_cpp_conv_equals_the_python_path(case):
+    got, want = _conv_step(False, **case), _conv_step(True, **case)
+    assert "IntConv2dTrain" in got[0] and want[0] == "_IntConv2dEagerBackward"  # each path really ran
+    assert got[1].stride() == want[1].stride()  # the output takes the input's layout, as before
+    _assert_same(got, want)
+
+
+def test_cpp_conv_takes_any_incoming_gradient():
+    def non_finite(g):
+        g = g.clone()
+        g[0, 1, 2, 3], g[1, 0, 0, 0] = float("nan"), float("inf")
+        return g
+
+    for fn in (non_finite, lambda g: g[:1].expand_as(g), lambda g: g.contiguous(memory_format=torch.channels_last)):
+        _assert_same(_conv_step(False, g_transform=fn), _conv_step(True, g_transform=fn))
+
+
+def test_cpp_conv_keeps_the_python_path_where_it_does_not_apply():
+    """Dynamic activations, learned scales, a depthwise conv longer than one exact fp32 conv, other backends."""
+    from intqat.ops.int_conv2d import int_conv2d
+
+    x, w = torch.randn(2, 4, 6, 6, requires_grad=True), torch.randn(4, 4, 3, 3, requires_grad=True)
+    s_w = w.detach().abs().amax(dim=(1, 2, 3)) / 127
+    cases = [dict(x_dynamic=True), dict(s_x=torch.tensor([0.05], requires_grad=True))]
+    for kw in cases:
+        s_x = kw.pop("s_x", torch.tensor([0.05]))
+        with backends.use_backend("cpu_fused"):
+            y = int_conv2d(x, w, None, s_x, torch.tensor([0.0]), s_w, padding=1, **kw)
+        assert y.grad_fn.name() == "_IntConv2dEagerBackward"
+    with backends.use_backend("reference"):
+        y = int_conv2d(x, w, None, torch.tensor([0.05]), torch.tensor([0.0]), s_w, padding=1)
+    assert y.grad_fn.name() == "_IntConv2dEagerBackward"
+    xg, wg = torch.randn(1, 64, 8, 8), torch.randn(64, 1, 25, 25)  # 625 terms per group > 512
+    with backends.use_backend("cpu_fused"):
+        y = int_conv2d(xg.requires_grad_(), wg, None, torch.tensor([0.05]), torch.tensor([0.0]),
+                       wg.abs().amax(dim=(1, 2, 3)) / 127, padding=12, groups=64)
+    assert y.grad_fn.name() == "_IntConv2dEagerBackward"
+
+
+def test_a_cnn_trains_the_same_through_the_conv_op():
+    """A MobileNet-style inverted residual (ReLU6(inplace=True) after integer convs, a depthwise conv, BN
+    folded) and a plain conv block through a few Adam steps: the same losses and weights, bit for bit."""
+    def block():
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(inplace=True),
+            nn.Conv2d(16, 16, 3, 1, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU6(inplace=True),
+            nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Linear(8, 4))
+
+    def train(python):
+        torch.manual_seed(0)
+        m, x = block(), torch.randn(4, 3, 16, 16)
+        intqat.prepare_qat(m, "w8a8")
+        intqat.calibrate(m, [x])
+        intqat.to_integer(m)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        losses = []
+        with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()), \
+                backends.recording() as ran:
+            for _ in range(3):
+                opt.zero_grad()
+                loss = m(x).square().mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        # every step of its 3 convs and its linear head through the C++ ops, or none
+        assert ran[(cpp_step.RECORDED_AS, "cpu_fused")] == (0 if python else 4 * 3)
+        return losses, [p.detach().clone() for p in m.parameters()]
+
+    a, b = train(python=False), train(python=True)
+    assert a[0] == b[0]
+    assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))

@@ -1,25 +1,27 @@
-"""The eager CPU training step of an integer linear layer in C++: `int_linear`'s forward and backward as one
-autograd op (kernels/cpu/train_linear.cpp), and the static activation observer's update before it as one
-call (kernels/cpu/observe.cpp).
+"""The eager CPU training step of integer layers in C++: `int_linear`'s and `int_conv2d`'s forward and
+backward as one autograd op each (kernels/cpu/train_linear.cpp, train_conv.cpp), and the static activation
+observer's update before them as one call (kernels/cpu/observe.cpp).
 
-Why: the Python path runs ~12 small steps per integer layer and call (backend choices, three C passes,
-an autograd.Function, a mask pack; in the backward a split, a GEMM and a combine twice): ~0.15 ms of
-interpreter and dispatch per layer and step, measured at every size, and the observer ~18 us more. A
-BERT-tiny layer's whole fp32 step is 0.2-0.5 ms at 2 threads, so that overhead decided whether an
-integer transformer block trained faster than fp32. The C++ ops run the same kernels (the fused C
-library, linked by path) and the same aten GEMMs in one call forward and one autograd node backward:
+Why: the Python path runs ~12 small steps per integer linear layer and call (backend choices, three C
+passes, an autograd.Function, a mask pack; in the backward a split, a GEMM and a combine twice): ~0.15 ms of
+interpreter and dispatch per layer and step, measured at every size (~0.3 ms per conv), and the observer
+~18 us more. A BERT-tiny layer's whole fp32 step is 0.2-0.5 ms at 2 threads, so that overhead decided
+whether an integer transformer block trained faster than fp32. The C++ ops run the same kernels (the fused
+C library, linked by path) and the same aten calls in one call forward and one autograd node backward:
 same bits, ~5 us overhead.
 
-When the step op runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the
+When the linear op runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the
 backend table would run the forward GEMM on `cpu_fused` (torch._int_mm: CPUs with int8 dot products) or
 `avx2_int16` (vpmaddwd: AVX2 CPUs without them) and every other primitive of the step on `cpu_fused`.
-Anything else (tracing, CUDA, LSQ, the amx backend's large layers, a forced backend whose kernels the op
-does not call) takes the Python path, which computes the same numbers. The observer op runs where the
-observer's own Python scalar path would, with `minmax` on `cpu_fused` (`ActivationQuantizer.integer_input`).
-INTQAT_CPP_STEP=0 turns both off (tests compare both ways); a build failure (no C++ compiler, no torch
-headers) warns once and keeps the Python paths.
+The conv op (`conv_plan`): the same, static activations, its GEMM on `cpu_fused` (groups == 1) or none
+(grouped / depthwise convs: an exact fp32 conv of the codes, every CPU). Anything else (tracing, CUDA,
+LSQ, the amx backend's large layers, a forced backend whose kernels the op does not call) takes the Python
+path, which computes the same numbers. The observer op runs where the observer's own Python scalar path
+would, with `minmax` on `cpu_fused` (`ActivationQuantizer.integer_input`). INTQAT_CPP_STEP=0 turns them all
+off (tests compare both ways); a build failure (no C++ compiler, no torch headers) warns once and keeps
+the Python paths.
 
-The library is compiled on first use (~20 s, `$CXX`, default `c++`) against torch's headers into the
+The library is compiled on first use (~25 s, `$CXX`, default `c++`) against torch's headers into the
 kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
 """
 
@@ -39,7 +41,8 @@ from intqat.ops import backends, cpu_kernels
 from intqat.ops.digit_gemm import digits_pay
 from intqat.ops.qparams import SCALE_EPS
 
-__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run", "observe_minmax_"]
+__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run", "conv_plan", "run_conv",
+           "observe_minmax_"]
 
 _log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -53,7 +56,7 @@ def _sources() -> list[Path]:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package intqat.kernels not found")
     root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
-    return [root / "train_linear.cpp", root / "observe.cpp"]
+    return [root / "train_linear.cpp", root / "train_conv.cpp", root / "observe.cpp"]
 
 
 def _build_and_load() -> None:
@@ -66,7 +69,7 @@ def _build_and_load() -> None:
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-    _log.info("intqat: building the C++ training ops (kernels/cpu/train_linear.cpp, observe.cpp; ~20 s, once)")
+    _log.info("intqat: building the C++ training ops (kernels/cpu/train_*.cpp, observe.cpp; ~25 s, once)")
     path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
                                      prefix="train_linear", link=link)
     torch.ops.load_library(str(path))
@@ -154,6 +157,40 @@ def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: b
 
 _op = None
 _observe_op = None
+_conv_op = None
+_conv_plans: dict[tuple, bool] = {}
+
+
+def conv_plan(groups: int, per_group_terms: int, K: int) -> bool:
+    """May the C++ conv op run this static-activation conv? per_group_terms = C/g * kh * kw, K = C * kh * kw.
+
+    Grouped convs run as one exact fp32 conv of the codes: only while a group's terms fit 512 (int_conv2d's
+    _EXACT_FP32_TERMS; longer ones are cut into chunks, in Python). Plain ones need torch._int_mm on
+    cpu_fused. The elementwise passes must be cpu_fused's. The caller checked the tensors (plain CPU,
+    nothing tracing, no learned scales, static activations)."""
+    if not available():
+        return False
+    key = (groups > 1, backends.forced(), cpu_kernels.disabled_depth())
+    ok = _conv_plans.get(key)
+    if ok is None:
+        steps = ["quantize_rows", "dequantize_rows"] + (["int_mm", "epilogue"] if groups == 1 else [])
+        ok = all(getattr(backends.select(p, record=False, at_run_time=True), "name", None) == "cpu_fused"
+                 for p in steps)
+        _conv_plans[key] = ok
+    return ok and (per_group_terms <= 512 if groups > 1 else 0 < K <= backends.MAX_K_INT32)
+
+
+def run_conv(x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
+             stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
+             w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
+    """y (B, O, Ho, Wo) through the C++ conv op (when `conv_plan` said yes); x fp32 (B, C, H, W)."""
+    global _conv_op
+    if _conv_op is None:
+        _conv_op = torch.ops.intqat_train.int_conv2d.default
+    ran = (("quantize_rows", "cpu_fused"), ("dequantize_rows", "cpu_fused"), (RECORDED_AS, "cpu_fused"))
+    backends.note_ran(ran + ((("int_mm", "cpu_fused"), ("epilogue", "cpu_fused")) if groups == 1 else ()))
+    return _conv_op(x, weight, bias, w_scale, x_scale, z_x, stride, padding, dilation, groups, x_qmin, x_qmax,
+                    w_qmin, w_qmax, w_clip_mask)
 
 
 def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,

@@ -1,0 +1,191 @@
+/* intqat_train::int_conv2d: the eager CPU training step of intqat::int_conv2d (static activations) as one
+ * C++ autograd op.
+ *
+ * Why: in Python, an integer conv ran ~20 small steps per call (quantize x and W, im2col's views, the GEMM,
+ * the epilogue, the layout of the output; in the backward two dequantizations, the fp32
+ * convolution_backward, two masks): ~0.3 ms per conv and step more than nn.Conv2d, which a MobileNet's 52
+ * small convs feel. Here the same steps run in one call each way.
+ *
+ * Same bits as the Python path (intqat/ops/int_conv2d.py with backend cpu_fused), step for step: the
+ * elementwise passes are the fused C library's functions (fused.c, linked by path), everything else the
+ * same aten calls on the same layouts (constant_pad_nd, unfold, _int_mm, conv2d, convolution_backward,
+ * where). tests/test_cpp_step.py compares outputs and gradients bit for bit.
+ *
+ * Forward, x (B, C, H, W) fp32 (NCHW or channels_last), W (O, C/g, kh, kw):
+ *     q_x, mask_x = quantize(x, s_x, z)                 per tensor, in x's layout
+ *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel
+ *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels
+ *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
+ * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. */
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+extern "C" {  // fused.c
+void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                          float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
+void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
+                     int64_t sx_stride, const float *s_w, const float *bias, float *y);
+void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                            float z, float *out);
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool dense(const at::Tensor &t) {  // one block an elementwise pass walks in memory order
+    return t.is_contiguous() || (t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+bool channels_last(const at::Tensor &t) {  // int_conv2d.is_channels_last
+    return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
+/* (q - z) * s, one scale (per_row false: q walked in memory order, in its layout) or one per row of a
+ * contiguous q: cpu_kernels.dequantize_rows. */
+at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row) {
+    const at::Tensor q = (per_row || !dense(q_in)) ? q_in.contiguous() : q_in;
+    at::Tensor out = at::empty_like(q, at::kFloat);
+    const int64_t rows = per_row ? q.size(0) : 1;
+    if (q.numel())
+        intqat_dequantize_rows(q.data_ptr<int8_t>(), rows, q.numel() / rows, scale.data_ptr<float>(), per_row ? 1 : 0,
+                               z, out.data_ptr<float>());
+    return out;
+}
+
+/* A tensor over t's memory that is not a view (int_conv2d._not_a_view): in-place ops after the conv
+ * (ReLU6(inplace=True)) must not see a view of the op's temporary. */
+at::Tensor not_a_view(const at::Tensor &t) {
+    if (!t.is_view()) return t;
+    return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
+}
+
+at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
+                         const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
+                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+    const int64_t B = q_x.size(0), C = q_x.size(1), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
+    if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
+        const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
+        at::Tensor xz = dequantized(q_x, one, (float)z, false);
+        at::Tensor acc = at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups);
+        at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
+        at::Tensor y = acc.mul_(scale);
+        return bias.defined() ? y.add_(bias.reshape({1, O, 1, 1})) : y;
+    }
+    // int_conv2d._im2col: (B, C, H, W) codes -> (B*Ho*Wo, C*kh*kw), columns (i, j, c), c fastest
+    const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0],
+                  dw = dilation[1];
+    at::Tensor q = q_x.permute({0, 2, 3, 1});
+    q = (ph || pw) ? at::constant_pad_nd(q, {0, 0, pw, pw, ph, ph}, z) : q.contiguous();
+    const int64_t ext_h = dh * (kh - 1) + 1, ext_w = dw * (kw - 1) + 1;
+    at::Tensor u = q.unfold(1, ext_h, sh).unfold(2, ext_w, sw);
+    u = u.slice(4, 0, c10::nullopt, dh).slice(5, 0, c10::nullopt, dw);  // [..., ::dh, ::dw]
+    const int64_t Ho = u.size(1), Wo = u.size(2);
+    u = u.reshape({B, Ho, Wo, groups, C / groups, kh, kw}).permute({0, 1, 2, 3, 5, 6, 4});
+    at::Tensor cols = u.reshape({B * Ho * Wo, C * kh * kw});
+    at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1});  // int_conv2d._weight_columns
+    // cpu_fused.int_mm (no rows: the reference's empty product)
+    at::Tensor acc = cols.size(0) ? at::_int_mm(cols, wcols.t()) : at::empty({0, O}, at::TensorOptions().dtype(at::kInt));
+    at::Tensor y = at::empty({B * Ho * Wo, O}, at::TensorOptions().dtype(at::kFloat));
+    if (y.numel())
+        intqat_epilogue(acc.data_ptr<int32_t>(), B * Ho * Wo, O, z, colsum.data_ptr<int32_t>(), s_x.data_ptr<float>(),
+                        0, s_w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
+                        y.data_ptr<float>());
+    y = y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});
+    return channels_last(q_x) ? y : y.contiguous();  // the output takes the input's memory format
+}
+
+struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const c10::optional<at::Tensor> &bias_in, const at::Tensor &w_scale, double x_scale,
+                              int64_t x_zero_point, std::vector<int64_t> stride, std::vector<int64_t> padding,
+                              std::vector<int64_t> dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
+                              int64_t w_qmin, int64_t w_qmax, bool w_clip_mask) {
+        TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && weight.dim() == 4,
+                    "intqat_train::int_conv2d: x (B, C, H, W) float32 and a 4-D weight");
+        const auto f32 = at::TensorOptions().dtype(at::kFloat);
+        const int32_t z = (int32_t)x_zero_point;
+        const int64_t O = weight.size(0);
+        // x: codes and clip mask in x's layout (int_conv2d._quantize_input: quantize_with_mask, one scale)
+        const at::Tensor s_x = at::full({1, 1}, x_scale, f32);
+        const at::Tensor xd = dense(x) ? x : x.contiguous();
+        at::Tensor q_x = at::empty_like(xd, at::kChar), mask_x = at::empty_like(xd, at::kBool);
+        if (xd.numel())
+            intqat_quantize_rows(xd.data_ptr<float>(), 1, xd.numel(), s_x.data_ptr<float>(), 0, (float)z, (float)x_qmin,
+                                 (float)x_qmax, q_x.data_ptr<int8_t>(), (uint8_t *)mask_x.data_ptr(), nullptr);
+        // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows)
+        const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
+        const at::Tensor s_w = w_scale.detach().reshape({-1}).to(at::kFloat).contiguous();
+        at::Tensor q_w = at::empty_like(w2, at::kChar);
+        at::Tensor mask_w = w_clip_mask ? at::empty_like(w2, at::kBool) : at::empty({0}, at::TensorOptions().dtype(at::kBool));
+        at::Tensor colsum = at::empty({O}, at::TensorOptions().dtype(at::kInt));
+        if (w2.numel())
+            intqat_quantize_rows(w2.data_ptr<float>(), O, w2.size(1), s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
+                                 (float)w_qmax, q_w.data_ptr<int8_t>(),
+                                 w_clip_mask ? (uint8_t *)mask_w.data_ptr() : nullptr, colsum.data_ptr<int32_t>());
+        else
+            colsum.zero_();
+        q_w = q_w.reshape(weight.sizes());
+        if (w_clip_mask) mask_w = mask_w.reshape(weight.sizes());
+        const at::Tensor bias = bias_in.has_value() && bias_in->defined()
+                                    ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
+        at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups);
+        ctx->save_for_backward({q_x, mask_x, q_w, mask_w, s_x, s_w});
+        ctx->saved_data["z"] = (int64_t)z;
+        ctx->saved_data["stride"] = stride;
+        ctx->saved_data["padding"] = padding;
+        ctx->saved_data["dilation"] = dilation;
+        ctx->saved_data["groups"] = groups;
+        ctx->saved_data["has_bias"] = bias.defined();
+        return not_a_view(y);
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list out(15);  // one per forward input; x, weight, bias get gradients
+        at::Tensor g = grads[0];
+        if (!g.defined()) return out;
+        g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &q_x = saved[0], &mask_x = saved[1], &q_w = saved[2], &mask_w = saved[3], &s_x = saved[4],
+                         &s_w = saved[5];
+        const bool has_bias = ctx->saved_data["has_bias"].toBool();
+        // (edges: x, weight, then bias only when given)
+        const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
+                   need_b = has_bias && ctx->needs_input_grad(2);
+        const at::Tensor x_hat = dequantized(q_x, s_x, (float)ctx->saved_data["z"].toInt(), false);
+        const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
+        const auto stride = ctx->saved_data["stride"].toIntVector(), padding = ctx->saved_data["padding"].toIntVector(),
+                   dilation = ctx->saved_data["dilation"].toIntVector();
+        const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
+        auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
+                                                                   : c10::nullopt,
+                                          stride, padding, dilation, false, {0, 0}, ctx->saved_data["groups"].toInt(),
+                                          {need_x, need_w, need_b});
+        if (need_x) out[0] = mask_x.numel() ? at::where(mask_x, std::get<0>(r), 0.0) : std::get<0>(r);
+        if (need_w) out[1] = mask_w.numel() ? at::where(mask_w, std::get<1>(r), 0.0) : std::get<1>(r);
+        if (need_b) out[2] = std::get<2>(r);
+        return out;
+    }
+};
+
+at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                      const at::Tensor &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
+                      int64_t w_qmin, int64_t w_qmax, bool w_clip_mask) {
+    return IntConv2dTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, stride.vec(), padding.vec(),
+                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
+    m.def("int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor w_scale, float x_scale, int x_zero_point, "
+          "int[] stride, int[] padding, int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, "
+          "bool w_clip_mask) -> Tensor",
+          int_conv2d);
+}
