@@ -174,30 +174,40 @@ def test_other_forced_backends_keep_the_python_path():
         assert _node(y) == "_IntLinearEagerBackward", name
 
 
+def _train(model_fn, x, python: bool):
+    """3 Adam steps of the integer model (prepare_qat, calibrate, to_integer), through the C++ ops or the
+    Python path -> (losses, parameters after, the backend recording)."""
+    torch.manual_seed(0)
+    m = model_fn()
+    intqat.prepare_qat(m, "w8a8")
+    intqat.calibrate(m, [x])
+    intqat.to_integer(m)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    losses = []
+    with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()), \
+            backends.recording() as ran:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, [p.detach().clone() for p in m.parameters()], ran
+
+
+def _trains_the_same(model_fn, x) -> int:
+    """Both ways, the same losses and weights bit for bit -> how many layer steps ran through the C++ ops."""
+    (losses, params, ran), (losses_py, params_py, ran_py) = _train(model_fn, x, False), _train(model_fn, x, True)
+    assert losses == losses_py
+    assert all(torch.equal(p, q) for p, q in zip(params, params_py))
+    assert ran_py[(cpp_step.RECORDED_AS, "cpu_fused")] == 0
+    return ran[(cpp_step.RECORDED_AS, "cpu_fused")]
+
+
 def test_a_model_trains_the_same_through_the_op():
     """An integer MLP, an integer encoder layer (MHA projections, FFN) and a GPT-2-style MLP of transformers'
     Conv1D layers through a few Adam steps: the same losses and weights, bit for bit, with the op and with
-    the Python path."""
-    def train(model_fn, x, python):
-        torch.manual_seed(0)
-        m = model_fn()
-        intqat.prepare_qat(m, "w8a8")
-        intqat.calibrate(m, [x])
-        intqat.to_integer(m)
-        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        losses = []
-        with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()), \
-                backends.recording() as ran:
-            for _ in range(3):
-                opt.zero_grad()
-                loss = m(x).square().mean()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-        steps = ran[(cpp_step.RECORDED_AS, "cpu_fused")]  # every layer's step through the op, or none
-        assert steps == (0 if python else ran[("linear", "cpu_fused")]) and ran[("linear", "cpu_fused")] > 0
-        return losses, [p.detach().clone() for p in m.parameters()]
-
+    the Python path; every layer's step through the op."""
     def mlp():
         return nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 8))
 
@@ -209,10 +219,9 @@ def test_a_model_trains_the_same_through_the_op():
 
         return nn.Sequential(Conv1D(64, 48), nn.GELU(), Conv1D(8, 64))
 
+    layers = {mlp: 2, encoder: 4, gpt2_mlp: 2}  # integer linear layers (the encoder: in_proj, out_proj, FFN)
     for model_fn, x in ((mlp, torch.randn(40, 48)), (encoder, torch.randn(4, 10, 32)), (gpt2_mlp, torch.randn(40, 48))):
-        a, b = train(model_fn, x, python=False), train(model_fn, x, python=True)
-        assert a[0] == b[0]
-        assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+        assert _trains_the_same(model_fn, x) == layers[model_fn] * 3
 
 
 def _python(code: str, **env) -> subprocess.CompletedProcess:
@@ -328,7 +337,7 @@ def test_cpp_conv_keeps_the_python_path_where_it_does_not_apply():
 
 def test_a_cnn_trains_the_same_through_the_conv_op():
     """A MobileNet-style inverted residual (ReLU6(inplace=True) after integer convs, a depthwise conv, BN
-    folded) and a plain conv block through a few Adam steps: the same losses and weights, bit for bit."""
+    folded) and a linear head through a few Adam steps: the same losses and weights, bit for bit."""
     def block():
         return nn.Sequential(
             nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(inplace=True),
@@ -336,26 +345,4 @@ def test_a_cnn_trains_the_same_through_the_conv_op():
             nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
             nn.Linear(8, 4))
 
-    def train(python):
-        torch.manual_seed(0)
-        m, x = block(), torch.randn(4, 3, 16, 16)
-        intqat.prepare_qat(m, "w8a8")
-        intqat.calibrate(m, [x])
-        intqat.to_integer(m)
-        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        losses = []
-        with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()), \
-                backends.recording() as ran:
-            for _ in range(3):
-                opt.zero_grad()
-                loss = m(x).square().mean()
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
-        # every step of its 3 convs and its linear head through the C++ ops, or none
-        assert ran[(cpp_step.RECORDED_AS, "cpu_fused")] == (0 if python else 4 * 3)
-        return losses, [p.detach().clone() for p in m.parameters()]
-
-    a, b = train(python=False), train(python=True)
-    assert a[0] == b[0]
-    assert all(torch.equal(p, q) for p, q in zip(a[1], b[1]))
+    assert _trains_the_same(block, torch.randn(4, 3, 16, 16)) == 4 * 3  # 3 convs and the head, 3 steps
