@@ -257,7 +257,7 @@ def test_switched_off_or_unbuildable_keeps_the_python_path_and_says_so(tmp_path)
 # --- the conv op (kernels/cpu/train_conv.cpp) ------------------------------------------------------------
 
 def _conv_step(python, *, groups=1, C=6, O=8, k=3, stride=1, padding=1, dilation=1, layout="nchw", bias=True,
-               w_clip=True, g_transform=None, seed=0):
+               w_clip=True, g_transform=None, seed=0, forced="cpu_fused"):
     """int_conv2d forward + backward on fresh leaves -> (node, y, grad_x, grad_w, grad_b)."""
     from intqat.ops.int_conv2d import int_conv2d
 
@@ -271,7 +271,7 @@ def _conv_step(python, *, groups=1, C=6, O=8, k=3, stride=1, padding=1, dilation
     w = (torch.randn(O, C // groups, k, k, generator=gen) * 0.3).requires_grad_()
     b = torch.randn(O, generator=gen).requires_grad_() if bias else None
     s_w = w.detach().abs().amax(dim=(1, 2, 3)) / 127 * (0.7 if w_clip else 1.0)  # 0.7: some weights clip
-    with backends.use_backend("cpu_fused"), (cpp_step.disabled() if python else torch.enable_grad()):
+    with backends.use_backend(forced), (cpp_step.disabled() if python else torch.enable_grad()):
         y = int_conv2d(x, w, b, torch.tensor([0.03]), torch.tensor([-4.0]), s_w, stride=stride, padding=padding,
                        dilation=dilation, groups=groups, w_clip_mask=w_clip)
         node = y.grad_fn.name()
@@ -301,6 +301,19 @@ def test_cpp_conv_equals_the_python_path(case):
     assert "IntConv2dTrain" in got[0] and want[0] == "_IntConv2dEagerBackward"  # each path really ran
     assert got[1].stride() == want[1].stride()  # the output takes the input's layout, as before
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(layout="channels_last", stride=2), dict(k=1, padding=0)],
+                         ids=["3x3", "channels_last-stride2", "pointwise"])
+def test_cpp_conv_with_the_avx2_int16_gemm_equals_the_python_path(case):
+    """Plain convs on CPUs without int8 dot products: the op's GEMM is AVX2's vpmaddwd, as avx2_int16's int_mm."""
+    reason = backends.unavailable("avx2_int16")
+    if reason is not None:
+        pytest.skip(f"backend avx2_int16 cannot run here: {reason}")
+    with backends.recording() as ran:
+        got = _conv_step(False, forced="avx2_int16", **case)
+    assert "IntConv2dTrain" in got[0] and ran[("int_mm", "avx2_int16")] == 1
+    _assert_same(got, _conv_step(True, forced="avx2_int16", **case))
 
 
 def test_cpp_conv_takes_any_incoming_gradient():

@@ -112,7 +112,7 @@ def disabled():
     return _switch.off()
 
 
-RECORDED_AS = "int_linear_cpp"  # what `backends.recording()` counts per call of the op, beside its primitives
+RECORDED_AS = "cpp_step"  # what `backends.recording()` counts per call of a C++ step op, beside its primitives
 _GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # the forward GEMM the op can run: torch._int_mm, AVX2 vpmaddwd
 _plans: dict[tuple, tuple | None] = {}
 
@@ -158,39 +158,52 @@ def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: b
 _op = None
 _observe_op = None
 _conv_op = None
-_conv_plans: dict[tuple, bool] = {}
+_conv_plans: dict[tuple, int | None] = {}
 
 
-def conv_plan(groups: int, per_group_terms: int, K: int) -> bool:
-    """May the C++ conv op run this static-activation conv? per_group_terms = C/g * kh * kw, K = C * kh * kw.
+def conv_plan(groups: int, per_group_terms: int, K: int) -> int | None:
+    """The C++ conv op's GEMM for this static-activation conv (0: torch._int_mm, 1: AVX2 int16; grouped convs
+    have none: 0), or None when the op may not run. per_group_terms = C/g * kh * kw, K = C * kh * kw.
 
     Grouped convs run as one exact fp32 conv of the codes: only while a group's terms fit 512 (int_conv2d's
-    _EXACT_FP32_TERMS; longer ones are cut into chunks, in Python). Plain ones need torch._int_mm on
-    cpu_fused. The elementwise passes must be cpu_fused's. The caller checked the tensors (plain CPU,
+    _EXACT_FP32_TERMS; longer ones are cut into chunks, in Python). Plain ones need int_mm on cpu_fused or
+    avx2_int16. The elementwise passes must be cpu_fused's. The caller checked the tensors (plain CPU,
     nothing tracing, no learned scales, static activations)."""
     if not available():
-        return False
+        return None
     key = (groups > 1, backends.forced(), cpu_kernels.disabled_depth())
-    ok = _conv_plans.get(key)
-    if ok is None:
-        steps = ["quantize_rows", "dequantize_rows"] + (["int_mm", "epilogue"] if groups == 1 else [])
-        ok = all(getattr(backends.select(p, record=False, at_run_time=True), "name", None) == "cpu_fused"
-                 for p in steps)
-        _conv_plans[key] = ok
-    return ok and (per_group_terms <= 512 if groups > 1 else 0 < K <= backends.MAX_K_INT32)
+    gemm = _conv_plans.get(key, -1)
+    if gemm == -1:
+        steps = ["quantize_rows", "dequantize_rows"] + (["epilogue"] if groups == 1 else [])
+        ok = all(_run_time_backend(p) == "cpu_fused" for p in steps)
+        gemm = None if not ok else (0 if groups > 1 else _GEMMS.get(_run_time_backend("int_mm")))
+        _conv_plans[key] = gemm
+    if gemm is None or (per_group_terms > 512 if groups > 1 else not 0 < K <= backends.MAX_K_INT32):
+        return None
+    return gemm
 
 
-def run_conv(x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
+def _run_time_backend(primitive: str) -> str | None:
+    return getattr(backends.select(primitive, record=False, at_run_time=True), "name", None)
+
+
+def run_conv(gemm: int, x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
              stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
              w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
-    """y (B, O, Ho, Wo) through the C++ conv op (when `conv_plan` said yes); x fp32 (B, C, H, W)."""
+    """y (B, O, Ho, Wo) through the C++ conv op with the GEMM `conv_plan` chose; x fp32 (B, C, H, W)."""
     global _conv_op
     if _conv_op is None:
         _conv_op = torch.ops.intqat_train.int_conv2d.default
-    ran = (("quantize_rows", "cpu_fused"), ("dequantize_rows", "cpu_fused"), (RECORDED_AS, "cpu_fused"))
-    backends.note_ran(ran + ((("int_mm", "cpu_fused"), ("epilogue", "cpu_fused")) if groups == 1 else ()))
+    backends.note_ran(_CONV_RAN[gemm if groups == 1 else None])
     return _conv_op(x, weight, bias, w_scale, x_scale, z_x, stride, padding, dilation, groups, x_qmin, x_qmax,
-                    w_qmin, w_qmax, w_clip_mask)
+                    w_qmin, w_qmax, w_clip_mask, gemm)
+
+
+_CONV_RAN = {  # what one conv step records, per GEMM (None: grouped, no integer GEMM)
+    gemm: ((RECORDED_AS, "cpu_fused"), ("quantize_rows", "cpu_fused"), ("dequantize_rows", "cpu_fused"))
+    + (() if gemm is None else (("int_mm", name), ("epilogue", "cpu_fused")))
+    for gemm, name in ((None, None), *((g, n) for n, g in _GEMMS.items()))
+}
 
 
 def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,

@@ -333,10 +333,11 @@ def _cpp_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, 
             or x_scale.dtype != torch.float32 or not x.numel()):
         return None
     O, Cg, kh, kw = weight.shape
-    if not O or not cpp_step.conv_plan(groups, Cg * kh * kw, x.shape[1] * kh * kw):
+    gemm = cpp_step.conv_plan(groups, Cg * kh * kw, x.shape[1] * kh * kw) if O else None
+    if gemm is None:
         return None
     s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     if z is None or s_x != s_x:
         return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_step.run_conv(x, weight, bias, w_scale, s_x, z, stride, padding, dilation, groups, x_qmin, x_qmax,
-                             w_qmin, w_qmax, w_clip_mask)
+    return cpp_step.run_conv(gemm, x, weight, bias, w_scale, s_x, z, stride, padding, dilation, groups, x_qmin,
+                             x_qmax, w_qmin, w_qmax, w_clip_mask)

@@ -14,7 +14,8 @@
  * Forward, x (B, C, H, W) fp32 (NCHW or channels_last), W (O, C/g, kh, kw):
  *     q_x, mask_x = quantize(x, s_x, z)                 per tensor, in x's layout
  *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel
- *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels
+ *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels; int_mm on
+ *                  torch._int_mm (int8-dot CPUs) or AVX2 vpmaddwd (gemm 1: CPUs without int8 dot products)
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
  * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. */
 #include <ATen/ATen.h>
@@ -31,6 +32,10 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+// int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
+// aborting stub without AVX2, which the Python side never asks for)
+void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b, int64_t N,
+                       int64_t b_rs, int64_t b_cs, int16_t *ap, int16_t *bp, int32_t *c);
 }
 
 namespace {
@@ -65,9 +70,27 @@ at::Tensor not_a_view(const at::Tensor &t) {
     return at::empty({0}, t.options()).set_(t.storage(), t.storage_offset(), t.sizes(), t.strides());
 }
 
+/* a (M, K) @ b (K, N) int8 -> int32, exact: torch._int_mm (gemm 0: cpu_fused.int_mm) or the AVX2 int16 kernel
+ * (gemm 1: avx2_int16.int_mm, packs as cpu_kernels.int16_gemm's) */
+at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
+    const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+    const auto i32 = at::TensorOptions().dtype(at::kInt);
+    if (M == 0) return at::empty({0, N}, i32);  // no rows: the reference's empty product
+    if (gemm == 0) return at::_int_mm(a, b);
+    const int64_t kp = K + (K & 1);
+    at::Tensor ap = at::empty({(M + 11) / 12 * 12 * kp}, at::TensorOptions().dtype(at::kShort));
+    at::Tensor bp = at::empty({(N + 15) / 16 * 16 * kp}, at::TensorOptions().dtype(at::kShort));
+    at::Tensor c = at::empty({M, N}, i32);
+    if (N)
+        intqat_int16_gemm(a.data_ptr<int8_t>(), M, K, a.stride(0), a.stride(1), b.data_ptr<int8_t>(), N, b.stride(0),
+                          b.stride(1), ap.data_ptr<int16_t>(), bp.data_ptr<int16_t>(), c.data_ptr<int32_t>());
+    return c;
+}
+
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
                          const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
-                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups) {
+                         at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
+                         int64_t gemm) {
     const int64_t B = q_x.size(0), C = q_x.size(1), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
     if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
         const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
@@ -89,8 +112,7 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     u = u.reshape({B, Ho, Wo, groups, C / groups, kh, kw}).permute({0, 1, 2, 3, 5, 6, 4});
     at::Tensor cols = u.reshape({B * Ho * Wo, C * kh * kw});
     at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1});  // int_conv2d._weight_columns
-    // cpu_fused.int_mm (no rows: the reference's empty product)
-    at::Tensor acc = cols.size(0) ? at::_int_mm(cols, wcols.t()) : at::empty({0, O}, at::TensorOptions().dtype(at::kInt));
+    at::Tensor acc = int_mm(cols, wcols.t(), gemm);
     at::Tensor y = at::empty({B * Ho * Wo, O}, at::TensorOptions().dtype(at::kFloat));
     if (y.numel())
         intqat_epilogue(acc.data_ptr<int32_t>(), B * Ho * Wo, O, z, colsum.data_ptr<int32_t>(), s_x.data_ptr<float>(),
@@ -105,7 +127,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                               const c10::optional<at::Tensor> &bias_in, const at::Tensor &w_scale, double x_scale,
                               int64_t x_zero_point, std::vector<int64_t> stride, std::vector<int64_t> padding,
                               std::vector<int64_t> dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
-                              int64_t w_qmin, int64_t w_qmax, bool w_clip_mask) {
+                              int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm) {
         TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && weight.dim() == 4,
                     "intqat_train::int_conv2d: x (B, C, H, W) float32 and a 4-D weight");
         const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -134,7 +156,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         if (w_clip_mask) mask_w = mask_w.reshape(weight.sizes());
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
-        at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups);
+        at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
         ctx->save_for_backward({q_x, mask_x, q_w, mask_w, s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
         ctx->saved_data["stride"] = stride;
@@ -146,7 +168,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        variable_list out(15);  // one per forward input; x, weight, bias get gradients
+        variable_list out(16);  // one per forward input; x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
@@ -176,9 +198,9 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
 at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                       const at::Tensor &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
-                      int64_t w_qmin, int64_t w_qmax, bool w_clip_mask) {
+                      int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm) {
     return IntConv2dTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, stride.vec(), padding.vec(),
-                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask);
+                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask, gemm);
 }
 
 }  // namespace
@@ -186,6 +208,6 @@ at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::
 TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
     m.def("int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor w_scale, float x_scale, int x_zero_point, "
           "int[] stride, int[] padding, int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, "
-          "bool w_clip_mask) -> Tensor",
+          "bool w_clip_mask, int gemm) -> Tensor",
           int_conv2d);
 }
