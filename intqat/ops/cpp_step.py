@@ -60,7 +60,7 @@ def _sources() -> list[Path]:
 
 
 def _build_and_load() -> None:
-    global _loaded, _reason
+    global _loaded
     from torch.utils import cpp_extension  # (imports setuptools: only when the op is first needed)
 
     torch_lib = Path(torch.__file__).parent / "lib"
@@ -71,7 +71,7 @@ def _build_and_load() -> None:
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
     _log.info("intqat: building the C++ training ops (kernels/cpu/train_*.cpp, observe.cpp; ~25 s, once)")
     path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
-                                     prefix="train_linear", link=link)
+                                     prefix="train_step", link=link)
     torch.ops.load_library(str(path))
     _loaded = True
 
@@ -91,24 +91,24 @@ def _load() -> bool:
                 except (OSError, RuntimeError, FileNotFoundError, ImportError) as e:
                     _reason = f"the C++ build failed: {str(e)[-300:]}"
                     warnings.warn(
-                        "intqat: the C++ training op (kernels/cpu/train_linear.cpp) is unavailable; integer "
-                        "layers keep the Python path (same numbers, ~0.15 ms more per layer and step). "
+                        "intqat: the C++ training ops (kernels/cpu/train_*.cpp, observe.cpp) are unavailable; "
+                        "integer layers keep the Python path (same numbers, ~0.15 ms more per layer and step). "
                         f"Reason: {_reason}. Set INTQAT_CPP_STEP=0 to silence this.", RuntimeWarning, stacklevel=4)
         return _loaded
 
 
 def available() -> bool:
-    """Is the C++ op built, loaded and not switched off (by `disabled()` / INTQAT_CPP_STEP=0)?"""
+    """Are the C++ ops built, loaded and not switched off (by `disabled()` / INTQAT_CPP_STEP=0)?"""
     return _switch.depth == 0 and (_loaded if _loaded is not None else _load())
 
 
 def unavailable_reason() -> str | None:
-    """Why the C++ op does not run here (None: it does, where `plan` allows)."""
+    """Why the C++ ops do not run here (None: they do, where `plan` / `conv_plan` allow)."""
     return None if available() else (_reason or "disabled in this block")
 
 
 def disabled():
-    """Run int_linear's Python path inside the block (tests compare both)."""
+    """Run the Python paths (int_linear, int_conv2d, the observer) inside the block (tests compare both)."""
     return _switch.off()
 
 
