@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "scratch.h"  // intqat::scratch
+
 extern "C" {  // fused.c
 void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                           float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
@@ -78,8 +80,8 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     if (M == 0) return at::empty({0, N}, i32);  // no rows: the reference's empty product
     if (gemm == 0) return at::_int_mm(a, b);
     const int64_t kp = K + (K & 1);
-    at::Tensor ap = at::empty({(M + 11) / 12 * 12 * kp}, at::TensorOptions().dtype(at::kShort));
-    at::Tensor bp = at::empty({(N + 15) / 16 * 16 * kp}, at::TensorOptions().dtype(at::kShort));
+    at::Tensor ap = intqat::scratch("int16_a", {(M + 11) / 12 * 12 * kp}, at::kShort);  // (the packs die here)
+    at::Tensor bp = intqat::scratch("int16_b", {(N + 15) / 16 * 16 * kp}, at::kShort);
     at::Tensor c = at::empty({M, N}, i32);
     if (N)
         intqat_int16_gemm(a.data_ptr<int8_t>(), M, K, a.stride(0), a.stride(1), b.data_ptr<int8_t>(), N, b.stride(0),

@@ -30,8 +30,8 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <string>
-#include <unordered_map>
+
+#include "scratch.h"  // intqat::scratch
 
 extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
 void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
@@ -61,18 +61,7 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-/* A reused temporary per role (as intqat.ops.cpu_kernels.scratch): for values that die inside this op
- * (the int32 accumulators, the bool mask before packing, the digits, the dequantized operand). A fresh
- * multi-MB tensor costs page faults on first touch, more than the pass that fills it. Per thread. */
-at::Tensor scratch(const char *role, at::IntArrayRef shape, at::ScalarType dtype) {
-    thread_local std::unordered_map<std::string, at::Tensor> bufs;
-    int64_t n = 1;
-    for (int64_t s : shape) n *= s;
-    at::Tensor &buf = bufs[std::string(role) + at::toString(dtype)];
-    if (!buf.defined() || buf.numel() < n) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
-    return buf.narrow(0, 0, n).view(shape);
-}
+using intqat::scratch;
 
 template <typename T>
 T *ptr(const at::Tensor &t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
