@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
 extern "C" {  // fused.c
@@ -78,7 +79,7 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     const auto i32 = at::TensorOptions().dtype(at::kInt);
     if (M == 0) return at::empty({0, N}, i32);  // no rows: the reference's empty product
-    if (gemm == 0) return at::_int_mm(a, b);
+    if (gemm == 0) return at::_int_mm(intqat::int_mm_operand(a), intqat::int_mm_operand(b));
     const int64_t kp = K + (K & 1);
     at::Tensor ap = intqat::scratch("int16_a", {(M + 11) / 12 * 12 * kp}, at::kShort);  // (the packs die here)
     at::Tensor bp = intqat::scratch("int16_b", {(N + 15) / 16 * 16 * kp}, at::kShort);

@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
 extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
@@ -92,7 +93,7 @@ at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const 
                         col_scale.numel() > 1 ? 1 : 0, ptr<int8_t>(digits), C, R * C, ptr<int32_t>(shift),
                         ptr<int32_t>(rowsum));
     at::Tensor acc = scratch("digit_acc", {3 * R, K}, at::kInt);
-    at::_int_mm_out(acc, digits.view({3 * R, C}), q);
+    at::_int_mm_out(acc, digits.view({3 * R, C}), intqat::int_mm_operand(q));
     if (out.numel()) intqat_combine_digits(ptr<int32_t>(acc), R, K, ptr<int32_t>(shift), ptr<int32_t>(rowsum), z,
                                            nullptr, ptr<float>(out));
     return out;
@@ -173,7 +174,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
                                     ptr<int16_t>(bp), ptr<float>(y));
             } else {  // torch._int_mm, then the epilogue (the accumulator dies here: scratch)
                 at::Tensor acc = scratch("acc", {M, N}, at::kInt);
-                at::_int_mm_out(acc, q_x, q_w.t());
+                at::_int_mm_out(acc, q_x, intqat::int_mm_operand(q_w.t()));  // (K = 1: a copy)
                 intqat_epilogue(ptr<int32_t>(acc), M, N, z, cs, ptr<float>(s_x), s_x.numel() > 1 ? 1 : 0,
                                 ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
             }

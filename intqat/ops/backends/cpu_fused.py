@@ -56,8 +56,10 @@ class CpuFused(Backend):
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         M, K = q_x.shape
         N = q_w.shape[0]
-        if 0 < K <= MAX_K_INT32 and M and N and q_x.is_contiguous() and q_w.is_contiguous():
-            # the int32 accumulator dies in the epilogue: this thread's scratch buffer, no page faults
+        if 0 < K <= MAX_K_INT32 and M and N and is_dense(q_x) and is_dense(q_w.t()):
+            # the int32 accumulator dies in the epilogue: this thread's scratch buffer, no page faults.
+            # (q_wᵀ of a K = 1 layer is a (1, N) view with strides (1, 1), which torch._int_mm gets wrong:
+            # is_dense sends it to the reference's row-major copy)
             acc = torch._int_mm(q_x, q_w.t(), out=cpu_kernels.scratch("acc", (M, N), torch.int32))
         else:
             acc = Reference.int_mm(self, q_x, q_w.t())
