@@ -1018,3 +1018,29 @@ def test_inference_codes_cache_follows_weight_updates():
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # any in-place change counts
         assert torch.equal(model(x), fresh_eval(copy.deepcopy(model)))
+
+
+@pytest.mark.parametrize("stage", ["fake_quant", "integer"])
+def test_a_learned_scale_stepped_below_zero_is_put_back_to_eps(stage):
+    """An optimizer step can push an LSQ scale to <= 0; the next training forward puts it back to SCALE_EPS
+    (as torch.ao's learnable fake quant), in place, instead of dividing by zero or saturating every code."""
+    from intqat.ops.qparams import SCALE_EPS
+
+    torch.manual_seed(0)
+    model = intqat.prepare_qat(nn.Sequential(nn.Linear(8, 4)), "w8a8_lsq")
+    x = torch.randn(16, 8)
+    intqat.calibrate(model, [x])
+    if stage == "integer":
+        model = intqat.to_integer(model)
+    model.train()
+    layer = model[0]
+    aq, wq = layer.input_quantizer, layer.weight_quantizer
+    with torch.no_grad():
+        aq.scale.fill_(-0.05)
+        wq.scale[0] = 0.0
+    scale_param = aq.scale
+    y = model(x)
+    assert aq.scale is scale_param and aq.scale.item() == pytest.approx(SCALE_EPS)  # the same Parameter
+    assert wq.scale[0].item() == pytest.approx(SCALE_EPS) and bool((wq.scale > 0).all())
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(aq.scale.grad).all() and torch.isfinite(wq.scale.grad).all()

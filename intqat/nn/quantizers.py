@@ -44,6 +44,15 @@ def _all_reduce_(t: Tensor, op) -> Tensor:
     return t
 
 
+def keep_learned_scale_positive_(scale: Tensor) -> None:
+    """An optimizer step can push a learned (LSQ) scale to <= 0, after which every code saturates or the
+    reciprocal is inf, silently. As torch.ao's learnable fake quant does, put it back to SCALE_EPS before it
+    is used in training: in place through .data (no autograd version bump for a graph still holding it, no
+    device sync: a no-op unless the value was below). Traced programs use the value as it is."""
+    if not (torch.compiler.is_compiling() or torch.compiler.is_exporting()):
+        scale.data.clamp_(min=SCALE_EPS)
+
+
 class ActivationQuantizer(nn.Module):
     """Quantization state of a layer's input activations.
 
@@ -290,6 +299,8 @@ class ActivationQuantizer(nn.Module):
     def _check_ready(self) -> None:
         if torch.compiler.is_exporting() or torch.compiler.is_compiling():
             return  # traced programs cannot branch on buffer values; eager runs checked already
+        if self.spec.learnable and self.training:
+            keep_learned_scale_positive_(self.scale)
         if not self._initialized and not self.spec.learnable:
             raise RuntimeError(
                 "activation quantizer has no scale yet: run training batches with the observer enabled "
@@ -349,6 +360,8 @@ class WeightQuantizer(nn.Module):
         row (1/sqrt(K * qmax)), so the expand's backward rescales by 1/sqrt(N) to give the
         per-tensor factor 1/sqrt(N * K * qmax) without touching the forward value.
         """
+        if self.scale is not None and self.training:
+            keep_learned_scale_positive_(self.scale)
         s = self.scale if self.scale is not None else self.minmax_scale(weight)
         if s.numel() != 1:
             return s

@@ -284,8 +284,49 @@ class _IntConv2dEager(torch.autograd.Function):
         return _backward(ctx, g)
 
 
-def _pair(v) -> list[int]:
-    return [int(v), int(v)] if isinstance(v, int) else [int(a) for a in v]
+def _pair(v, name: str, least: int) -> list[int]:
+    """stride / padding / dilation as [h, w]: an int or a pair of ints >= least, else a ValueError naming it."""
+    pair = [v, v] if isinstance(v, int) else list(v) if isinstance(v, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(a, int) and not isinstance(a, bool) and a >= least
+                                                 for a in pair):
+        hint = " (string padding such as 'same' is resolved by IntConv2d, not by the op)" if isinstance(v, str) else ""
+        raise ValueError(f"int_conv2d: {name} must be an int or a pair of ints >= {least}, got {v!r}{hint}")
+    return pair
+
+
+def _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, groups, x_dynamic) -> None:
+    def bad(msg):
+        raise ValueError(f"int_conv2d: {msg}")
+
+    if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+        bad(f"x must be a float (B, C, H, W) tensor, got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(groups, int) or groups < 1:
+        bad(f"groups must be a positive int, got {groups!r}")
+    if not isinstance(weight, Tensor) or weight.dim() != 4 or x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
+        bad(f"weight {tuple(getattr(weight, 'shape', ()))} (O, C/groups, kh, kw) does not fit x {tuple(x.shape)} "
+            f"with groups={groups}")
+    O = weight.shape[0]
+    if not isinstance(w_scale, Tensor) or w_scale.numel() != O:
+        got = tuple(w_scale.shape) if isinstance(w_scale, Tensor) else repr(w_scale)
+        bad(f"w_scale must be a tensor of one scale per output channel, shape ({O},), got {got}")
+    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (O,)):
+        bad(f"bias must have shape ({O},) for weight {tuple(weight.shape)}, got "
+            f"{tuple(bias.shape) if isinstance(bias, Tensor) else repr(bias)}")
+    if not x_dynamic:
+        for name, t in (("x_scale", x_scale), ("x_zero_point", x_zero_point)):
+            if not isinstance(t, Tensor) or t.numel() != 1:
+                bad(f"static activations need {name} as a tensor of shape (1,), got "
+                    f"{tuple(t.shape) if isinstance(t, Tensor) else repr(t)}")
+
+
+def _check_window(x, weight, stride, padding, dilation) -> None:
+    """The (dilated) kernel must fit the padded input: else the output would be empty or unfold's error."""
+    for d, name in ((0, "height"), (1, "width")):
+        extent = dilation[d] * (weight.shape[2 + d] - 1) + 1
+        if x.shape[2 + d] + 2 * padding[d] < extent:
+            raise ValueError(
+                f"int_conv2d: the kernel's {name} {weight.shape[2 + d]} (dilation {dilation[d]}: {extent}) exceeds the "
+                f"padded input's {x.shape[2 + d]} + 2 * {padding[d]} (x {tuple(x.shape)}, weight {tuple(weight.shape)})")
 
 
 def int_conv2d(
@@ -297,26 +338,18 @@ def int_conv2d(
     """Integer conv2d, differentiable (STE + LSQ). x (B, C, H, W) float; weight (O, C/groups, kh, kw);
     w_scale (O,); static activations: x_scale (1,), x_zero_point (1,). Padding must be numeric
     (string padding is resolved by IntConv2d)."""
-    if x.dim() != 4 or not x.is_floating_point():
-        raise ValueError(f"int_conv2d: x must be a float (B, C, H, W) tensor, got {x.dtype} {tuple(x.shape)}")
-    if weight.dim() != 4 or x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
-        raise ValueError(
-            f"int_conv2d: weight {tuple(weight.shape)} (O, C/groups, kh, kw) does not fit x {tuple(x.shape)} "
-            f"with groups={groups}"
-        )
-    if w_scale.numel() != weight.shape[0]:
-        raise ValueError(f"int_conv2d: w_scale must have shape ({weight.shape[0]},), got {tuple(w_scale.shape)}")
+    _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, groups, x_dynamic)
+    stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
+    _check_window(x, weight, stride, padding, dilation)
     check_qrange(x_qmin, x_qmax)
     check_qrange(w_qmin, w_qmax)
     if x_dynamic:
         x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
-    elif x_scale is None or x_scale.numel() != 1 or x_zero_point is None or x_zero_point.numel() != 1:
-        raise ValueError("int_conv2d: static activations need x_scale and x_zero_point of shape (1,)")
     x_zero_point = x_zero_point if x_zero_point.is_floating_point() else x_zero_point.to(torch.float32)
     if w_clip_mask is None:
         w_clip_mask = True  # a min-max scale never clips: callers holding one may pass False
-    args = (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, _pair(stride), _pair(padding),
-            _pair(dilation), groups, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
+    args = (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
+            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
     if backends.eager_cpu((x, weight, bias, x_scale, x_zero_point, w_scale)):
         y = _cpp_step(*args)
         if y is not None:

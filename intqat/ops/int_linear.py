@@ -324,7 +324,7 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
             grad_w = grad_what if (fuse or not mask_w) else torch.where(mask_w.bool(), grad_what, 0.0)
         else:
             # grad_what = gᵀ @ x_hat, x_hat = (q_x - z_x) * s_x     (N, M) @ (M, K) -> (N, K)
-            x_hat = _dequantized(q_x, s_x.reshape(-1), z_x, per_row=s_x.numel() > 1, role="x_hat")
+            x_hat = _dequantized(q_x, s_x.reshape(-1), z_x, per_row=s_x.numel() != 1, role="x_hat")
             grad_what = g.t() @ x_hat
             if not mask_w:
                 grad_w = grad_what
@@ -422,6 +422,9 @@ def _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic) ->
         bad(f"K mismatch: x is {tuple(x.shape)} (..., K) and weight is {tuple(weight.shape)} (N, K)")
     if bias is not None and tuple(bias.shape) != (N,):
         bad(f"bias must have shape ({N},) for weight {tuple(weight.shape)}, got {tuple(bias.shape)}")
+    for name, t in (("x_scale", x_scale), ("x_zero_point", x_zero_point), ("w_scale", w_scale), ("bias", bias)):
+        if t is not None and not isinstance(t, Tensor):
+            bad(f"{name} must be a tensor (or None), got {type(t).__name__} {t!r}")
     if w_scale is not None and w_scale.numel() != N:
         bad(f"w_scale must have one scale per output channel, shape ({N},), got {tuple(w_scale.shape)}")
     if not x_dynamic:

@@ -153,7 +153,7 @@ def grouped_reference(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None,
     for g in range(1, G):  # G - 1 adds in increasing g: the order is part of the result
         t = t + p[g]
     y = t * s_x.reshape(-1, 1)
-    return y + bias if bias is not None else y
+    return y + bias.to(torch.float32) if bias is not None else y
 
 
 def _eager_ok(*tensors: Tensor | None) -> bool:
@@ -267,7 +267,7 @@ def _backward(ctx, g, *_unused):
         if digits_pay(*q_x.shape, q_w.shape[0], grad="w"):
             grad_what = digit_matmul(g.t(), s_x.reshape(-1), q_x, z_x)  # on the int8 units (AMX CPUs)
         else:
-            per_row = s_x.numel() > 1
+            per_row = s_x.numel() != 1  # (per token: M scales, M may be 0)
             x_hat = dequantize(q_x, s_x.reshape(-1) if per_row else s_x.reshape(()), z_x.reshape(()),
                                axis=0 if per_row else None)
             grad_what = g.t() @ x_hat

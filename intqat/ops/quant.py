@@ -23,6 +23,9 @@ __all__ = ["quantize", "dequantize", "quantize_with_mask", "fake_quantize", "fak
 
 
 def check_qrange(qmin: int, qmax: int) -> None:
+    for name, v in (("qmin", qmin), ("qmax", qmax)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"quantization range: {name} must be an int, got {type(v).__name__} {v!r}")
     if not (-128 <= qmin < qmax <= 127):
         raise ValueError(
             f"quantization range [qmin={qmin}, qmax={qmax}] must satisfy -128 <= qmin < qmax <= 127 "
@@ -33,6 +36,11 @@ def check_qrange(qmin: int, qmax: int) -> None:
 def _broadcast(p: Tensor | float | int, x: Tensor, axis: int | None, name: str) -> Tensor:
     """Shape a scale / zero point so it broadcasts against x: () for per-tensor, along `axis` otherwise."""
     p = torch.as_tensor(p, device=x.device)
+    if name == "zero_point" and p.is_floating_point() and p.is_cpu and not backends.tracing(p) and not torch.equal(p, p.round()):
+        # torch's quantize takes integer zero points: a fractional one would be truncated toward zero, off by
+        # one on one side only. A learned (LSQ+) float zero point is rounded first (intqat.ops.rounded_zero_point).
+        raise ValueError(f"zero_point must hold integers, got {p.flatten()[:4].tolist()}: round a learned zero point "
+                         "first (intqat.ops.rounded_zero_point)")
     if axis is None:
         if p.numel() != 1:
             raise ValueError(
@@ -42,6 +50,8 @@ def _broadcast(p: Tensor | float | int, x: Tensor, axis: int | None, name: str) 
         return p.reshape(())
     if p.numel() == 1 and p.dim() <= 1:
         return p.reshape(())  # one value shared by every channel (e.g. a symmetric zero point of 0)
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"per-channel {name}: axis {axis} is out of range for input of shape {tuple(x.shape)}")
     axis = axis % x.dim()
     if p.dim() != 1 or p.numel() != x.shape[axis]:
         raise ValueError(

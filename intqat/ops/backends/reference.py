@@ -108,7 +108,7 @@ class Reference(Backend):
         if z_x is not None:
             acc = acc - z_x * colsum
         y = acc.to(torch.float32) * (s_x * s_w.reshape(1, -1))
-        return y + bias if bias is not None else y
+        return y + bias.to(torch.float32) if bias is not None else y  # (a float64 bias: float32 y, as every backend)
 
     def digit_matmul(self, a, col_scale, q, z, mask):
         """where(mask, (a * col_scale) @ (q - z), 0) through three int8 digit planes (digit_gemm.py)."""
