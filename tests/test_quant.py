@@ -98,3 +98,18 @@ def test_quantize_errors_name_shapes_and_dtypes():
         quantize(x, 1.0, 0, -200, 127)
     with pytest.raises(ValueError, match="integer codes"):
         dequantize(x, 1.0, 0)
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_fake_quantize_keeps_nan_on_every_backend(axis):
+    """The fused pass and the traced (reference) path agree on NaN: it stays NaN, so a diverged batch reaches the
+    loss under torch.compile too (the reference used to return the finite -z*s of the code 0)."""
+    from intqat.ops import backends
+
+    x = torch.tensor([[float("nan"), 1.0, float("inf")], [0.25, float("-inf"), -3.0]])
+    s = torch.tensor([0.1, 0.2]) if axis == 0 else 0.1
+    z = torch.tensor([3, -2]) if axis == 0 else 3
+    eager = fake_quantize(x, s, z, -128, 127, axis)
+    with backends.use_backend("reference"):
+        traced = fake_quantize(x, s, z, -128, 127, axis)
+    assert torch.isnan(eager[0, 0]) and torch.equal(eager.view(torch.int32), traced.view(torch.int32))

@@ -186,4 +186,6 @@ def fake_quantize_with_mask(
         b, per_row = fused
         return b.fake_quantize_rows(x, s, z_val, qmin, qmax, per_row, need_mask=need_mask)
     q, mask = _codes(x, scale, zero_point, qmin, qmax, axis, need_mask)
-    return dequantize(q, scale, zero_point, axis), mask
+    # a NaN goes on to the output as the fused pass gives: an int8 code cannot hold it (its cast is 0), and a
+    # finite -z*s would hide a diverged batch from the loss where this path runs (torch.compile, GPUs)
+    return torch.where(torch.isnan(x), x.to(torch.float32), dequantize(q, scale, zero_point, axis)), mask

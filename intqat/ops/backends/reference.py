@@ -149,7 +149,10 @@ class Reference(Backend):
 
     def fake_quantize_rows(self, x, scale, zero_point, qmin, qmax, per_row, need_mask=False):
         q, mask, _ = self.quantize_rows(x, scale, zero_point, qmin, qmax, per_row, need_mask=need_mask)
-        return self.dequantize_rows(q, scale, zero_point, per_row), mask
+        # a NaN goes on to the output, as the fused pass gives (an int8 code cannot hold it: its cast is 0, a
+        # finite -z*s that would hide a diverged batch from the loss under torch.compile)
+        x_hat = self.dequantize_rows(q, scale, zero_point, per_row)
+        return torch.where(torch.isnan(x), x.to(torch.float32), x_hat), mask
 
     def dequantize_rows(self, q, scale, zero_point, per_row, out=None, scratch=None):
         """(float(q) - z) * s; scale None: float(q) - z. (q - z) is an exact small integer: one rounding.
