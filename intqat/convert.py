@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -360,7 +360,10 @@ def _swap_deployed(parent: nn.Module) -> None:
 
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable) -> nn.Module:
-    """Observe activation ranges on batches without training (BN statistics untouched)."""
+    """Observe activation ranges on batches without training (BN statistics untouched).
+
+    Each batch is called as the model takes it: a tensor as `model(x)`, a (inputs, targets) tuple / list as
+    `model(batch[0])`, a dict (a Hugging Face tokenizer's output) as `model(**batch)`."""
     quantizers = [m for m in model.modules() if isinstance(m, ActivationQuantizer) and not m.dynamic]
     if not quantizers:
         return model  # nothing to observe; other libraries' observers must not move either
@@ -371,8 +374,10 @@ def calibrate(model: nn.Module, batches: Iterable) -> nn.Module:
         q.enable_observer(True)
     seen = 0
     for batch in batches:
-        x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        model(x)
+        if isinstance(batch, Mapping):
+            model(**batch)
+        else:
+            model(batch[0] if isinstance(batch, (tuple, list)) else batch)
         seen += 1
     if seen == 0 and quantizers:
         raise ValueError("calibrate: the calibration data yielded no batch")

@@ -97,3 +97,46 @@ def test_a_float64_bias_gives_float32_output_on_every_backend():
     with backends.use_backend("reference"):
         y_ref = int_linear(x, w, b, s, z, None)
     assert y.dtype == y_ref.dtype == torch.float32 and torch.equal(y, y_ref)
+
+
+def test_a_layer_refusing_its_input_names_itself():
+    import intqat
+    from torch import nn
+
+    model = intqat.prepare_qat(nn.Sequential(nn.Linear(8, 4), nn.Conv2d(3, 2, 3)), "w8a8")
+    intqat.calibrate(model[0:1], [torch.randn(4, 8)])
+    intqat.calibrate(model[1:2], [torch.randn(1, 3, 5, 5)])
+    model = intqat.to_integer(model).train()
+    with pytest.raises(ValueError, match=r"integer layer '0': int_linear: K mismatch: x is \(4, 7\)"):
+        model[0](torch.randn(4, 7))
+    with pytest.raises(ValueError, match=r"integer layer '1': int_conv2d: weight \(2, 3, 3, 3\)"):
+        model[1](torch.randn(1, 4, 5, 5))
+
+
+def test_calibrate_takes_a_dict_batch_as_keyword_arguments():
+    import intqat
+    from torch import nn
+
+    class TakesKeywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 4)
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.proj(input_ids * attention_mask[..., None])
+
+    model = intqat.prepare_qat(TakesKeywords(), "w8a8")
+    intqat.calibrate(model, [{"input_ids": torch.randn(2, 5, 8), "attention_mask": torch.ones(2, 5)}])
+    assert bool(model.proj.input_quantizer.initialized)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.05, float("nan"), float("inf")])
+def test_set_qparams_refuses_a_scale_that_is_not_positive(scale):
+    from intqat import QuantSpec
+    from intqat.nn import ActivationQuantizer
+
+    aq = ActivationQuantizer(QuantSpec(bits=8, symmetric=False))
+    with pytest.raises(ValueError, match="scale must be one positive finite number"):
+        aq.set_qparams(scale, 3.0)
+    aq.set_qparams(0.05, 3.0)
+    assert aq.scale.item() == pytest.approx(0.05)

@@ -167,7 +167,10 @@ class IntConv2d(_QuantConvBase):
         w, b = self.folded()
         w_scale = self.weight_quantizer.channel_scale(w)
         if _wants_autograd(x, self.weight):
-            return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            try:
+                return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            except ValueError as e:  # (a shape / dtype the op refuses: say which layer)
+                raise ValueError(f"intqat: integer {aq._where()}: {e}") from None
         with torch.no_grad():
             q_w, z_x = self._codes(w, w_scale)
             colsum = weight_colsum(q_w.reshape(q_w.shape[0], -1))

@@ -141,7 +141,10 @@ class IntLinear(_QuantLinearBase):
             # min-max per-channel scales: the op computes them in the pass that makes the codes
             w = self.w_nk()
             w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)
-            y = int_linear(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            try:
+                y = int_linear(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            except ValueError as e:  # (a shape / dtype the op refuses: say which layer)
+                raise ValueError(f"intqat: integer {aq._where()}: {e}") from None
         else:
             y = self._integer_forward(x)
         return self._requantize(y)

@@ -255,7 +255,11 @@ class ActivationQuantizer(nn.Module):
     @torch.no_grad()
     def set_qparams(self, scale: Tensor | float, zero_point: Tensor | float, freeze: bool = True) -> None:
         """Take scale / zero point from elsewhere (another library's fake quantizer, a checkpoint)."""
-        self.scale.data.copy_(torch.as_tensor(scale, dtype=torch.float32).reshape(1))
+        s = torch.as_tensor(scale, dtype=torch.float32).reshape(1)
+        if not (s.numel() == 1 and bool(torch.isfinite(s).all()) and float(s) > 0):
+            raise ValueError(f"set_qparams of {self._where()}: the scale must be one positive finite number, got "
+                             f"{s.tolist()} (a scale <= 0 would make every code saturate or divide by zero)")
+        self.scale.data.copy_(s)
         self.zero_point.data.copy_(torch.as_tensor(zero_point, dtype=torch.float32).reshape(1))
         self.initialized.fill_(True)
         self._initialized = True
