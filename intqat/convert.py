@@ -129,12 +129,20 @@ def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, reason
             if not _is_layer(child):
                 _prepare(child, fqn, cfg, filter_fn, reasons, found)
             continue
+        grouped = cfg.weight.granularity == "group"
+        if grouped and type(child) in (nn.MultiheadAttention, nn.Conv2d):
+            # (their integer modules hold one scale per output channel: a per-group config must not quietly
+            # become another scheme)
+            reasons[fqn] = (f"nn.{type(child).__name__}: per-group weights (group_size {cfg.weight.group_size}) are "
+                            "implemented for nn.Linear and transformers' Conv1D; prepare it with a per-channel config "
+                            "(e.g. a second prepare_qat with filter_fn)")
+            continue
         if type(child) is nn.MultiheadAttention:
             parent._modules[name] = FakeQuantMultiheadAttention.from_mha(child, cfg)
-        elif type(child) is nn.Linear and cfg.weight.granularity == "group":  # per-group weights: grouped_linear.py
-            if child.in_features % cfg.weight.group_size:
-                reasons[fqn] = (f"in_features {child.in_features} is not a multiple of group_size "
-                                f"{cfg.weight.group_size}")
+        elif grouped and (type(child) is nn.Linear or is_hf_conv1d(child)):  # per-group weights: grouped_linear.py
+            in_features = child.weight.shape[0 if is_hf_conv1d(child) else 1]
+            if in_features % cfg.weight.group_size:
+                reasons[fqn] = f"in_features {in_features} is not a multiple of group_size {cfg.weight.group_size}"
                 continue
             parent._modules[name] = FakeQuantGroupedLinear.from_linear(child, cfg)
         elif type(child) is nn.Linear or is_hf_conv1d(child):

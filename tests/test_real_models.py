@@ -20,7 +20,7 @@ from torch import nn
 import intqat
 from intqat.convert import float_census
 from intqat.export import write_program
-from intqat.nn import IntConv2d, IntLinear, IntMultiheadAttention
+from intqat.nn import GroupedIntLinear, IntConv2d, IntLinear, IntMultiheadAttention
 from real_models import TinyMobileNetV2, TinyResNet, TinyViT, tiny_bert, tiny_gpt2
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -186,16 +186,17 @@ def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
     _check_without_intqat(tmp_path, result, ids, expected)  # without transformers too
 
 
-@pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq"])
+@pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq", "8da4w"])
 def test_conv1d_integer_layer_equals_the_linear_one_on_its_transposed_weight(cfg):
-    """A Conv1D's IntLinear reads the (in, out) Parameter as the (out, in) view: the same bits, forward and
-    gradients, as an nn.Linear holding the transposed copy; the Parameter and its key stay."""
+    """A Conv1D's IntLinear (per-group: GroupedIntLinear, grouped along the input dim) reads the (in, out)
+    Parameter as the (out, in) view: the same bits, forward and gradients, as an nn.Linear holding the
+    transposed copy; the Parameter and its key stay. (8da4w once fell back to one scale per tensor.)"""
     pytest.importorskip("transformers")
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
-    c1d, x = Conv1D(24, 16), torch.randn(3, 5, 16)
-    lin = nn.Linear(16, 24)
+    c1d, x = Conv1D(24, 64), torch.randn(3, 5, 64)
+    lin = nn.Linear(64, 24)
     with torch.no_grad():
         lin.weight.copy_(c1d.weight.t())
         lin.bias.copy_(c1d.bias)
@@ -206,7 +207,9 @@ def test_conv1d_integer_layer_equals_the_linear_one_on_its_transposed_weight(cfg
         intqat.prepare_qat(m, cfg)
         m.train()(x)  # observe the activation range
         intqat.to_integer(m)
-    assert type(a[0]) is IntLinear and a[0].weight is weight and a[0].transposed and set(a.state_dict()) >= {"0.weight", "0.bias"}
+    kind = GroupedIntLinear if cfg == "8da4w" else IntLinear
+    assert type(a[0]) is kind and type(b[0]) is kind and a[0].weight is weight and a[0].transposed
+    assert set(a.state_dict()) >= {"0.weight", "0.bias"}
     ya, yb = a(x), b(x)
     assert torch.equal(ya, yb) and ya.shape == ref.shape
     ya.sum().backward()
@@ -279,3 +282,18 @@ def test_encoder_program_loads_and_runs_without_intqat(tmp_path):
     intqat.to_integer(model)
     result, expected, _ = _export_equal(model, x)
     _check_without_intqat(tmp_path, result, x, expected)
+
+
+def test_per_group_configs_name_the_layers_they_cannot_group():
+    """8da4w on a conv or an attention module: named in the warning and left float, not quantized with one
+    scale per tensor behind a per-group config."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 4 * 4, 32))
+    mha = nn.Sequential(nn.MultiheadAttention(32, 2, batch_first=True))
+    for m in (model, mha):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            intqat.prepare_qat(m, "8da4w")
+        text = " ".join(str(x.message) for x in w)
+        assert "per-group weights (group_size 32) are implemented for nn.Linear and transformers' Conv1D" in text
+    assert type(model[0]) is nn.Conv2d and type(mha[0]) is nn.MultiheadAttention
+    assert type(model[2]).__name__ == "FakeQuantGroupedLinear"

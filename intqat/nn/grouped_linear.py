@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.nn.linear import _QuantLinearBase
+from intqat.nn.linear import _QuantLinearBase, is_hf_conv1d
 from intqat.nn.quantizers import ActivationQuantizer
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
@@ -100,13 +100,14 @@ _FROZEN: dict[int, tuple] = {}
 
 
 @torch.no_grad()
-def frozen_group_codes(weight: Tensor, wq: GroupWeightQuantizer) -> tuple[Tensor, Tensor]:
-    """wq.codes(weight), memoised on the weight object and its version: equal settings -> same tensors."""
-    key = (weight._version, wq.group_size, wq.qmin, wq.qmax, wq.scale_div,
+def frozen_group_codes(weight: Tensor, wq: GroupWeightQuantizer, transposed: bool = False) -> tuple[Tensor, Tensor]:
+    """wq.codes(weight) (of weight.t() for a Conv1D's (in, out) weight), memoised on the weight object and its
+    version: equal settings -> same tensors."""
+    key = (weight._version, transposed, wq.group_size, wq.qmin, wq.qmax, wq.scale_div,
            None if wq.scale is None else (id(wq.scale), wq.scale._version))
     hit = _FROZEN.get(id(weight))
     if hit is None or hit[0]() is not weight or hit[1] != key:  # new weight, or an older version of it
-        q_w, s_w = wq.codes(weight)
+        q_w, s_w = wq.codes(weight.t() if transposed else weight)
         ref = weakref.ref(weight, lambda _, i=id(weight): _FROZEN.pop(i, None))
         hit = _FROZEN[id(weight)] = (ref, key, (q_w.contiguous(), s_w.to(torch.float32).contiguous().clone()))
     return hit[2]
@@ -123,18 +124,23 @@ class FakeQuantGroupedLinear(_QuantLinearBase):
     grad_gemm = "fp32"  # the per-group backward GEMMs run in fp32
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig | str | dict = "8da4w") -> "FakeQuantGroupedLinear":
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "8da4w") -> "FakeQuantGroupedLinear":
+        """From an nn.Linear, or a transformers Conv1D (GPT-2's projections: weight (in, out), kept as it is and
+        grouped along its input dim, as an nn.Linear's)."""
         config = resolve_config(config)
         _check_activation(config.activation)
         dev = linear.weight.device
+        transposed = is_hf_conv1d(linear)
+        w_nk = linear.weight.t() if transposed else linear.weight
         return cls(linear.weight, linear.bias, ActivationQuantizer(config.activation).to(dev),
-                   GroupWeightQuantizer(config.weight, linear.weight).to(dev))
+                   GroupWeightQuantizer(config.weight, w_nk).to(dev), transposed=transposed)
 
     def forward(self, input: Tensor) -> Tensor:
-        return F.linear(self.input_quantizer.fake_quant(input), self.weight_quantizer.fake_quant(self.weight), self.bias)
+        return F.linear(self.input_quantizer.fake_quant(input), self.weight_quantizer.fake_quant(self.w_nk()), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        t = ", weight (in, out) as Conv1D" if self.transposed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{t}"
 
 
 class GroupedIntLinear(_QuantLinearBase):
@@ -146,7 +152,7 @@ class GroupedIntLinear(_QuantLinearBase):
 
     @classmethod
     def from_fake_quant(cls, fq: FakeQuantGroupedLinear) -> "GroupedIntLinear":
-        return cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer)
+        return cls(fq.weight, fq.bias, fq.input_quantizer, fq.weight_quantizer, transposed=fq.transposed)
 
     def _op_args(self) -> dict:
         aq, wq = self.input_quantizer, self.weight_quantizer
@@ -160,8 +166,9 @@ class GroupedIntLinear(_QuantLinearBase):
         if not aq.dynamic:
             aq._check_ready()
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
-            w_scale = None if (wq.scale is None and wq.narrow) else wq.group_scale(self.weight)
-            return int_linear_grouped(x, self.weight, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            w = self.w_nk()
+            w_scale = None if (wq.scale is None and wq.narrow) else wq.group_scale(w)
+            return int_linear_grouped(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
         q_w, s_w = self._weight_codes()
         z_x = None if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
         return _apply(x, q_w, s_w, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic)
@@ -169,12 +176,12 @@ class GroupedIntLinear(_QuantLinearBase):
     def _weight_codes(self) -> tuple[Tensor, Tensor]:
         """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters)."""
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return self.weight_quantizer.codes(self.weight)
+            return self.weight_quantizer.codes(self.w_nk())
         s = self.weight_quantizer.scale
         key = (id(self.weight), self.weight._version, None if s is None else (id(s), s._version))
         cache = self.__dict__.get("_codes_cache")
         if cache is None or cache[0] != key:
-            cache = self.__dict__["_codes_cache"] = (key, self.weight_quantizer.codes(self.weight))
+            cache = self.__dict__["_codes_cache"] = (key, self.weight_quantizer.codes(self.w_nk()))
         return cache[1]
 
     @torch.no_grad()
@@ -182,7 +189,7 @@ class GroupedIntLinear(_QuantLinearBase):
         aq = self.input_quantizer
         if not aq.dynamic:
             aq._check_ready()
-        q_w, s_w = frozen_group_codes(self.weight, self.weight_quantizer)
+        q_w, s_w = frozen_group_codes(self.weight, self.weight_quantizer, transposed=self.transposed)
         z_x = torch.zeros(1, dtype=torch.int32) if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
         return DeployedGroupedIntLinear(q_w, s_w, None if self.bias is None else self.bias.detach().clone(),
                                         aq.scale.detach().clone(), z_x.to(q_w.device), aq.qmin, aq.qmax, aq.dynamic)

@@ -345,6 +345,9 @@ class WeightQuantizer(nn.Module):
         super().__init__()
         self.spec = spec
         self.qmin, self.qmax = spec.qmin, spec.qmax
+        if spec.granularity not in ("channel", "tensor"):
+            raise ValueError(f"WeightQuantizer: granularity {spec.granularity!r} is not a weight granularity it "
+                             "implements ('channel', 'tensor'); per-group weights: intqat.nn.grouped_linear")
         self.per_channel = spec.granularity == "channel"
         self.register_buffer("zero_point", torch.zeros(weight.shape[0] if self.per_channel else 1))
         if spec.learnable:
