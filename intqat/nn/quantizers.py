@@ -272,9 +272,12 @@ class ActivationQuantizer(nn.Module):
 
     @property
     def observing(self) -> bool:
-        # a learned (LSQ) scale is only initialised by the observer: observing later would undo learning
+        # a learned (LSQ) scale is only initialised by the observer: observing later would undo learning.
+        # Not inside a backward pass: gradient checkpointing runs the forward again there, and a second update
+        # would quantize the recomputed activations on another grid than the forward that made the loss.
         return (self.training and not self.dynamic and self._observer_enabled
-                and not (self.spec.learnable and self._initialized))
+                and not (self.spec.learnable and self._initialized)
+                and (torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1))
 
     # -- use -----------------------------------------------------------------------------
     def dynamic_scale(self, x2d: Tensor) -> Tensor:
