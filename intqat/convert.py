@@ -216,10 +216,25 @@ def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dic
                 out[fqn] = reasons.get(fqn) or _default_reason(child)
                 if not isinstance(child, nn.MultiheadAttention):
                     continue
+            elif not isinstance(child, (nn.Embedding, nn.EmbeddingBag)):
+                out.update(_raw_weight_parameters(child, fqn))
             visit(child, fqn)
 
     visit(model, "")
     return out
+
+
+def _raw_weight_parameters(m: nn.Module, fqn: str) -> dict[str, str]:
+    """Matrices a custom forward multiplies by itself (Mixtral's experts, XLNet's attention): Parameters of
+    the module's own with >= 2 dims all >= 2. No module to convert holds them, so they compute in float;
+    the census names them. (Position embeddings and class tokens have a size-1 dim: not named.)"""
+    found = {}
+    for pname, p in m.named_parameters(recurse=False):
+        if p.dim() >= 2 and min(p.shape) >= 2 and p.is_floating_point():
+            found[_join(fqn, pname)] = (
+                f"a {tuple(p.shape)} Parameter that {type(m).__name__}'s forward uses directly, not an nn.Linear / "
+                "Conv1D / Conv2d / attention module: intqat cannot see its matmul")
+    return found
 
 
 def disable_float_fast_paths(model: nn.Module) -> list[str]:

@@ -297,3 +297,25 @@ def test_per_group_configs_name_the_layers_they_cannot_group():
         assert "per-group weights (group_size 32) are implemented for nn.Linear and transformers' Conv1D" in text
     assert type(model[0]) is nn.Conv2d and type(mha[0]) is nn.MultiheadAttention
     assert type(model[2]).__name__ == "FakeQuantGroupedLinear"
+
+
+def test_raw_weight_parameters_are_named_in_the_census():
+    """A custom forward that multiplies its own Parameters (MoE experts, XLNet attention) computes in float:
+    the census names each such matrix; position embeddings / class tokens (a size-1 dim) are not matmuls."""
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Parameter(torch.randn(4, 16, 8))  # (experts, out, in)
+            self.pos = nn.Parameter(torch.zeros(1, 5, 8))
+
+        def forward(self, x):
+            return torch.einsum("bi,eoi->beo", x + self.pos.sum(), self.up).sum(1)
+
+    model = nn.Sequential(nn.Linear(8, 8), Experts())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        intqat.prepare_qat(model, "w8a8")
+    census = float_census(model)
+    assert list(census) == ["1.up"] and "a (4, 16, 8) Parameter that Experts's forward uses directly" in census["1.up"]
+    assert any("1.up" in str(x.message) for x in w)
