@@ -270,3 +270,19 @@ def test_checkpoint_restores_the_quantization_stage():
     fresh.on_load_checkpoint(float_ckpt)
     fresh.load_state_dict(float_ckpt["state_dict"])
     assert _kinds(fresh) == set()
+
+
+@pytest.mark.parametrize("group", ["w8a8", "w8a8_dynamic", "w4a8", "8da4w"])
+def test_adding_a_field_to_a_quant_group_keeps_its_preset(group):
+    """`quant=<group> +quant.config.weight.bits=N` changes one field of that group's preset: the groups name
+    their preset inside the config ({preset: ...}); a bare preset name was replaced by the dict, which then
+    silently fell back to w8a8 (w8a8_dynamic trained with static activations)."""
+    from intqat.cli.train import _compose
+    from intqat.config import resolve_config
+
+    cfg = _compose("mlp_digits_w8a8", [f"quant={group}", "+quant.config.weight.bits=3"])
+    got = resolve_config(dict(cfg.quant.config))
+    want = intqat.PRESETS[group]
+    assert got.weight.bits == 3 and got.activation == want.activation
+    assert got.weight.granularity == want.weight.granularity and got.weight.group_size == want.weight.group_size
+    assert resolve_config(dict(_compose("mlp_digits_w8a8", [f"quant={group}"]).quant.config)) == want
