@@ -547,6 +547,17 @@ class IntQAT(Callback):
     # -- export --------------------------------------------------------------------------------
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        missed = [f"{stage} (at {self._schedule[stage]!r})" for stage in STAGES
+                  if self._schedule[stage] is not None and not self._reached[stage]]
+        if missed and not trainer.interrupted:
+            rank_zero_warn(f"IntQAT: training ended (epoch {trainer.current_epoch}, step {trainer.global_step}) before "
+                           f"these stages started: {', '.join(missed)} ({self.unit}s): the model was trained without "
+                           "them. Train longer or move the stages earlier")
         if self.export_on_fit_end and trainer.is_global_zero:
+            if not any(isinstance(m, _QUANT) for m in pl_module.modules()):
+                rank_zero_warn("IntQAT: no export at the end of training: the model holds no quantized layer (the "
+                               f"prepare stage never ran: prepare_at={self._schedule['prepare']!r}), so the program "
+                               "would be the float model")
+                return
             export_dir = os.fspath(self.export_dir or os.path.join(trainer.default_root_dir, "export"))
             self.export_fn(pl_module, trainer, export_dir)

@@ -485,3 +485,21 @@ def test_ddp_ranks_swap_together_and_stay_identical(tmp_path):
     for name, value in r0["state"].items():
         torch.testing.assert_close(value, r1["state"][name], atol=0, rtol=0, msg=name)
     assert r0["metrics"]["quant_val/net.0/sqnr_db"] == r1["metrics"]["quant_val/net.0/sqnr_db"]  # pooled over ranks
+
+
+def test_a_run_that_ends_before_its_stages_says_so_and_exports_no_float_model(tmp_path):
+    """A schedule the run never reaches is named when fit ends; the export at the end is skipped when no layer
+    was ever quantized (it wrote a float model as export/model.pt2)."""
+    exported = []
+    model = TinyClassifier()
+    qat = IntQAT(prepare_at=5, integer_at=8, export_on_fit_end=True, export_fn=lambda *a: exported.append(a))
+    with pytest.warns(UserWarning) as record:
+        _trainer(tmp_path, [qat], max_epochs=2, limit_train_batches=2).fit(model)
+    text = " ".join(str(w.message) for w in record)
+    assert "before these stages started: prepare (at 5), integer (at 8) (epochs)" in text
+    assert "no export at the end of training: the model holds no quantized layer" in text and exported == []
+    # fake quant reached, integer not: named, and the export runs (it converts fake quant to integer)
+    qat = IntQAT(prepare_at=0, integer_at=8, export_on_fit_end=True, export_fn=lambda *a: exported.append(a))
+    with pytest.warns(UserWarning, match=r"before these stages started: integer \(at 8\)"):
+        _trainer(tmp_path, [qat], max_epochs=1, limit_train_batches=2).fit(TinyClassifier())
+    assert len(exported) == 1
