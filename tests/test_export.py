@@ -291,6 +291,20 @@ def test_cli_exports_a_run_directory(run_dir, capsys):
     assert "intqat-export: wrote" in capsys.readouterr().out
 
 
+def test_cli_exports_a_named_checkpoint_beside_it_and_never_over_an_earlier_export(run_dir, capsys):
+    """A checkpoint given by its path exports to CKPT_STEM-export (it wrote RUN_DIR/export, replacing the run's
+    end-of-training export with another checkpoint's); a second run refuses to replace it without --out."""
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    cli.main([str(ckpt)])
+    out = run_dir / "checkpoints" / "last-export"
+    assert (out / "model.pt2").is_file()
+    before = (out / "report.json").read_bytes()
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(ckpt)])
+    assert exit_info.value.code != 0 and "last-export exists" in capsys.readouterr().err
+    assert (out / "report.json").read_bytes() == before
+
+
 def test_cli_rejects_a_corrupt_checkpoint(tmp_path, capsys):
     bad = tmp_path / "last.ckpt"
     bad.write_bytes(os.urandom(4096))

@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="overrides of the config, e.g. model.hidden=[64,64] (as for intqat-train)")
     p.add_argument("--recipe", help="the recipe the checkpoint was trained with (default: the run's own config)")
-    p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export, or CKPT_STEM-export next to the checkpoint)")
+    p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export for a run directory, CKPT_STEM-export next to a checkpoint given by its path; an existing CKPT_STEM-export is not replaced without --out)")
     p.add_argument("--low-precision", choices=("bf16", "fp16"), default="bf16", help="type of the float ops autocast lowers (default bf16)")
     p.add_argument("--data-max", type=float, default=512.0, help="ops whose |values| exceed this on the calibration data stay fp32 (default 512)")
     p.add_argument("--max-depth-of-reduction", type=int, help="reductions (matmul K, sums) deeper than this stay fp32")
@@ -280,10 +280,16 @@ def run(args) -> Path:
                        validation_split=args.split)
     if args.out is not None:
         out = args.out
-    elif source.run_dir is not None:
-        out = source.run_dir / "export"
     else:
-        out = source.checkpoint.parent / f"{source.checkpoint.stem}-export"
+        # RUN_DIR/export for a run directory (what training wrote at its end, from the same last.ckpt); a
+        # checkpoint named by its path gets its own directory, so the export of another checkpoint (a "best"
+        # one from the fake-quant stage) never replaces the run's. An existing default is not overwritten.
+        given_dir = Path(args.source).is_dir()
+        out = (source.run_dir / "export" if given_dir and source.run_dir is not None
+               else source.checkpoint.parent / f"{source.checkpoint.stem}-export")
+        if out.exists() and not given_dir:
+            raise ExportError(f"{out} exists (an earlier export of {source.checkpoint.name}): pass --out DIR to "
+                              "write elsewhere, or --out that directory to replace it", EXIT_USAGE)
     try:
         paths = result.save(out, compress=not args.no_compress, aoti=args.aoti)
     except OSError as e:  # the save is atomic: nothing half-written is left behind
