@@ -286,3 +286,25 @@ def test_adding_a_field_to_a_quant_group_keeps_its_preset(group):
     assert got.weight.bits == 3 and got.activation == want.activation
     assert got.weight.granularity == want.weight.granularity and got.weight.group_size == want.weight.group_size
     assert resolve_config(dict(_compose("mlp_digits_w8a8", [f"quant={group}"]).quant.config)) == want
+
+
+def test_ckpt_path_resumes_a_run_where_it_stopped(tmp_path):
+    """`intqat-train ... ckpt_path=<run>/checkpoints/last.ckpt` continues that run (it was silently ignored as
+    `+ckpt_path`); a path that is no file is a usage error naming it."""
+    common = ["recipe=mlp_digits_w8a8", "quant.prepare_at=0", "quant.freeze_bn_at=null", "quant.freeze_observers_at=1",
+              "quant.integer_at=1", "export=none", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2",
+              "trainer.enable_progress_bar=false"]
+    first = _cli(*common, "trainer.max_epochs=2", f"output_dir={tmp_path / 'a'}")
+    assert first.returncode == 0, first.stderr[-2000:]
+    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    second = _cli(*common, "trainer.max_epochs=3", f"ckpt_path={last}", f"output_dir={tmp_path / 'b'}")
+    assert second.returncode == 0, second.stderr[-2000:]
+    resumed = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["epoch"] == 2 and resumed["global_step"] == 9  # 2 epochs of 3 steps before, 1 more here
+    import csv
+
+    with open(tmp_path / "b" / "metrics.csv") as f:
+        epochs = {int(float(row["epoch"])) for row in csv.DictReader(f) if row.get("epoch")}
+    assert 2 in epochs and not epochs & {0, 1}  # it started where the first run stopped (3: the test split)
+    bad = _cli("recipe=mlp_digits_w8a8", f"ckpt_path={tmp_path / 'nope.ckpt'}")
+    assert bad.returncode == 2 and "nope.ckpt: no such checkpoint file" in bad.stderr

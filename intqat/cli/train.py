@@ -2,7 +2,7 @@
 
     intqat-train                                        # the default recipe, mlp_digits_w8a8
     intqat-train recipe=cnn_digits_w8a8 trainer.max_epochs=5 quant=none output_dir=runs/cnn-fp32
-    intqat-train recipe=cifar10_cnn_w8a8 data.data_dir=~/data/cifar-10-batches-py
+    intqat-train recipe=cifar10_cnn_w8a8 data.data_dir=$HOME/data/cifar-10-batches-py
 
 Other arguments are Hydra overrides of the recipe (`key=value`, `group=option`, `+new_key=value`).
 The run: seed, build datamodule, module (with its model), callbacks (conf/callbacks/ and, when
@@ -134,6 +134,9 @@ def check_command_line(recipe: str, overrides: list[str]) -> str | None:
             f"recipe {recipe!r} needs " + ", ".join(f"{k}=..." for k in missing) + " on the command line "
             f"(see the comments in {recipes_dir() / (recipe + '.yaml')})"
         )
+    resume = cfg.get("ckpt_path")
+    if resume is not None and not Path(str(resume)).expanduser().is_file():
+        return f"ckpt_path={resume}: no such checkpoint file (resume from e.g. runs/<recipe>/<time>/checkpoints/last.ckpt)"
     return None
 
 
@@ -209,8 +212,9 @@ def train(cfg, recipe: str, argv: list[str]) -> dict:
     logger = CSVLogger(save_dir=out, name="", version="")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=logger)
 
+    resume = None if cfg.get("ckpt_path") is None else str(Path(str(cfg.ckpt_path)).expanduser())
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     fit_seconds = time.perf_counter() - start
     ckpt_path, tested = _test_checkpoint(trainer, cfg.test_ckpt, qat)
     results = trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
