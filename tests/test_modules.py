@@ -1044,3 +1044,30 @@ def test_a_learned_scale_stepped_below_zero_is_put_back_to_eps(stage):
     assert wq.scale[0].item() == pytest.approx(SCALE_EPS) and bool((wq.scale > 0).all())
     y.sum().backward()
     assert torch.isfinite(y).all() and torch.isfinite(aq.scale.grad).all() and torch.isfinite(wq.scale.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_integer_layers_return_the_input_dtype(dtype):
+    """A bf16 / fp16 model stays in its dtype through the integer layers, as through nn.Linear / nn.Conv2d (they
+    returned float32, and a bf16 LayerNorm after them refused the mixed dtypes); the arithmetic inside is the
+    deployed float32 epilogue, rounded once to the input dtype: training == eval == deployed, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    model = model.to(dtype)
+    x = torch.randn(2, 3, 6, 6, dtype=dtype)
+    intqat.prepare_qat(model, "w8a8")
+    intqat.calibrate(model, [x])
+    intqat.freeze_observers(model)
+    model = intqat.to_integer(model).train()
+    y_train = model(x)
+    assert y_train.dtype == dtype and model[2](torch.randn(2, 64, dtype=dtype)).dtype == dtype
+    y_train.float().sum().backward()
+    assert model[0].weight.grad.dtype == dtype and torch.isfinite(model[4].weight.grad.float()).all()
+    model.eval()
+    with torch.no_grad():
+        y_eval = model(x)
+        y_deployed = intqat.to_deployed(model)(x)
+    assert torch.equal(y_train.detach(), y_eval) and torch.equal(y_eval, y_deployed)
+    grouped = intqat.prepare_qat(nn.Sequential(nn.Linear(64, 8)).to(dtype), "8da4w")
+    grouped = intqat.to_integer(grouped)
+    assert grouped(torch.randn(3, 64, dtype=dtype)).dtype == dtype

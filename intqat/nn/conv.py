@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
+from intqat.nn.linear import in_input_dtype
 from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
 from intqat.ops.int_linear import rounded_zero_point, weight_colsum
 from intqat.ops.qparams import SCALE_EPS
@@ -168,15 +169,15 @@ class IntConv2d(_QuantConvBase):
         w_scale = self.weight_quantizer.channel_scale(w)
         if _wants_autograd(x, self.weight):
             try:
-                return int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args())
+                return in_input_dtype(int_conv2d(x, w, b, aq.scale, aq.zero_point, w_scale, **self._op_args()), x)
             except ValueError as e:  # (a shape / dtype the op refuses: say which layer)
                 raise ValueError(f"intqat: integer {aq._where()}: {e}") from None
         with torch.no_grad():
             q_w, z_x = self._codes(w, w_scale)
             colsum = weight_colsum(q_w.reshape(q_w.shape[0], -1))
-            return _deployed_conv(x, q_w, colsum, w_scale.detach().reshape(-1), None if b is None else b.detach(),
-                                  aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic,
-                                  self.stride, self.padding, self.dilation, self.groups)
+            return in_input_dtype(_deployed_conv(x, q_w, colsum, w_scale.detach().reshape(-1),
+                                                 None if b is None else b.detach(), aq.scale, z_x, aq.qmin, aq.qmax,
+                                                 aq.dynamic, self.stride, self.padding, self.dilation, self.groups), x)
 
     def _codes(self, w: Tensor, w_scale: Tensor) -> tuple[Tensor, Tensor]:
         aq, wq = self.input_quantizer, self.weight_quantizer
@@ -216,8 +217,9 @@ class DeployedIntConv2d(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
-        return _deployed_conv(x, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
-                              self.x_qmin, self.x_qmax, self.x_dynamic, self.stride, self.padding, self.dilation, self.groups)
+        return in_input_dtype(_deployed_conv(x, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale,
+                                             self.x_zero_point, self.x_qmin, self.x_qmax, self.x_dynamic, self.stride,
+                                             self.padding, self.dilation, self.groups), x)
 
 
 def _wants_autograd(x: Tensor, weight: Tensor) -> bool:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.nn.linear import _QuantLinearBase, is_hf_conv1d
+from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d
 from intqat.nn.quantizers import ActivationQuantizer
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
@@ -168,10 +168,11 @@ class GroupedIntLinear(_QuantLinearBase):
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
             w = self.w_nk()
             w_scale = None if (wq.scale is None and wq.narrow) else wq.group_scale(w)
-            return int_linear_grouped(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
+            return in_input_dtype(int_linear_grouped(x, w, self.bias, aq.scale, aq.zero_point, w_scale,
+                                                     **self._op_args()), x)
         q_w, s_w = self._weight_codes()
         z_x = None if aq.dynamic else rounded_zero_point(aq.zero_point, aq.qmin, aq.qmax)
-        return _apply(x, q_w, s_w, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic)
+        return in_input_dtype(_apply(x, q_w, s_w, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic), x)
 
     def _weight_codes(self) -> tuple[Tensor, Tensor]:
         """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters)."""
@@ -221,8 +222,8 @@ class DeployedGroupedIntLinear(nn.Module):
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
 
     def forward(self, input: Tensor) -> Tensor:
-        return _apply(input, self.q_w, self.w_scale, self.bias, self.x_scale, self.x_zero_point, self.x_qmin,
-                      self.x_qmax, self.x_dynamic)
+        return in_input_dtype(_apply(input, self.q_w, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
+                                     self.x_qmin, self.x_qmax, self.x_dynamic), input)
 
     def extra_repr(self) -> str:
         kind = "dynamic per-token" if self.x_dynamic else "static"

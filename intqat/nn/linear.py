@@ -30,7 +30,7 @@ from intqat.ops.int_linear import (
 from intqat.ops.quant import quantize
 from intqat.nn.fake_quantize import fake_quantize_ste
 
-__all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear", "is_hf_conv1d"]
+__all__ = ["FakeQuantLinear", "IntLinear", "DeployedIntLinear", "is_hf_conv1d", "in_input_dtype"]
 
 
 def is_hf_conv1d(m: nn.Module) -> bool:
@@ -38,6 +38,13 @@ def is_hf_conv1d(m: nn.Module) -> bool:
     Looked up in sys.modules: a model can hold one only once transformers is loaded."""
     mod = sys.modules.get("transformers.pytorch_utils")
     return mod is not None and type(m) is getattr(mod, "Conv1D", None)
+
+
+def in_input_dtype(y: Tensor, x: Tensor) -> Tensor:
+    """The integer layers compute their epilogue in float32 (the deployed arithmetic) and return y in the input's
+    float dtype, as nn.Linear / nn.Conv2d do: a bf16 model stays bf16 after them (a LayerNorm that follows refuses
+    mixed dtypes). float32 input: y as it is; int8 codes in (a chained consumer): float32 out."""
+    return y if y.dtype == x.dtype or not x.is_floating_point() else y.to(x.dtype)
 
 
 class _QuantLinearBase(nn.Module):
@@ -147,7 +154,7 @@ class IntLinear(_QuantLinearBase):
                 raise ValueError(f"intqat: integer {aq._where()}: {e}") from None
         else:
             y = self._integer_forward(x)
-        return self._requantize(y)
+        return in_input_dtype(self._requantize(y), x)
 
     def _requantize(self, y: Tensor) -> Tensor:
         """Chained producer: y -> dequantize(quantize(y)) on the consumer's grid, STE gradient."""
@@ -257,7 +264,7 @@ class DeployedIntLinear(nn.Module):
             self.x_qmin, self.x_qmax, self.x_dynamic, self.input_codes,
         )
         if not self.out_codes:
-            return y
+            return in_input_dtype(y, input)
         # requantize for the consumer: int8 codes out, no float round trip between the layers
         q = quantize(y, self.out_scale.reshape(()), self.out_zero_point.reshape(()), self.out_qmin, self.out_qmax)
         return torch.maximum(q, self.out_zero_point.to(torch.int8)) if self.out_relu else q
