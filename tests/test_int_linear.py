@@ -140,6 +140,30 @@ def test_compiles_as_one_opaque_node_without_graph_breaks():
         assert torch.allclose(a, r, rtol=1e-5, atol=1e-6)
 
 
+def test_inductor_compiles_a_norm_feeding_an_integer_layer():
+    """torch.compile (inductor, CPU) of a LayerNorm -> static-activation IntLinear training step: the fused kernel
+    of the norm's backward and the unpacked clip mask did not compile (a uint8 -> bool bit cast: 'Vectorized<bool>
+    has no member cast'), i.e. no transformer block compiled. Eager and compiled steps agree to rounding."""
+    import intqat
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 16))
+    x = torch.randn(4, 6, 32)
+    intqat.prepare_qat(model, "w8a8")
+    intqat.calibrate(model, [x])
+    intqat.freeze_observers(model)
+    model = intqat.to_integer(model).train()
+    compiled = torch.compile(model)
+    loss_c = compiled(x).square().mean()
+    grads_c = torch.autograd.grad(loss_c, list(model.parameters()))
+    loss_e = model(x).square().mean()
+    grads_e = torch.autograd.grad(loss_e, list(model.parameters()))
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-2, atol=1e-3)  # (inductor's LayerNorm may move a code)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=5e-2, atol=5e-3)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

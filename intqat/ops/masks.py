@@ -54,4 +54,6 @@ def unpack_mask_torch(packed: Tensor, shape: torch.Size | tuple[int, ...]) -> Te
     n = math.prod(shape)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     bits = (packed.unsqueeze(1) >> shifts).bitwise_and_(1)  # (n / 8, 8) of 0 / 1
-    return bits.view(torch.bool).reshape(-1)[:n].view(shape)
+    # != 0, not .view(torch.bool): inductor's CPU code for a uint8 -> bool bit cast does not compile
+    # (Vectorized<bool> has no cast), which broke torch.compile of every static-activation layer after a norm
+    return bits.reshape(-1)[:n].ne(0).view(shape)
