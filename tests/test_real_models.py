@@ -319,3 +319,31 @@ def test_raw_weight_parameters_are_named_in_the_census():
     census = float_census(model)
     assert list(census) == ["1.up"] and "a (4, 16, 8) Parameter that Experts's forward uses directly" in census["1.up"]
     assert any("1.up" in str(x.message) for x in w)
+
+
+def test_deployed_layers_answer_weight_reads_of_model_code():
+    """Hugging Face's T5 and ViT read a layer's `.weight.dtype` in forward (to cast their inputs): deployed
+    layers (int8 buffers, no Parameter) answer with the dequantized weight in the original layout, and the
+    deployed T5 gives the integer model's output, bit for bit."""
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    t5 = T5EncoderModel(T5Config(vocab_size=100, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16,
+                                 dropout_rate=0.0))
+    ids = torch.randint(0, 100, (2, 6))
+    intqat.prepare_qat(t5, "w8a8")
+    intqat.calibrate(t5, [{"input_ids": ids}])
+    intqat.freeze_observers(t5)
+    t5 = intqat.to_integer(t5).eval()
+    with torch.no_grad():
+        expected = t5(input_ids=ids).last_hidden_state
+        deployed = intqat.to_deployed(t5)
+        got = deployed(input_ids=ids).last_hidden_state
+    assert torch.equal(got, expected)
+    wo = deployed.encoder.block[0].layer[1].DenseReluDense.wo
+    assert wo.weight.dtype == torch.float32 and wo.weight.shape == (32, 64)
+    assert torch.equal(wo.weight, wo.q_w.float() * wo.w_scale[:, None])
+    conv = intqat.to_deployed(intqat.to_integer(intqat.calibrate(intqat.prepare_qat(
+        nn.Sequential(nn.Conv2d(3, 4, 3)), "w8a8"), [torch.randn(1, 3, 5, 5)])))[0]
+    assert conv.weight.shape == (4, 3, 3, 3) and conv.weight.dtype == torch.float32

@@ -215,6 +215,12 @@ class DeployedIntConv2d(nn.Module):
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
         self.stride, self.padding, self.dilation, self.groups = tuple(stride), tuple(padding), tuple(dilation), groups
 
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight q_w * s_w (O, C/g, kh, kw) float32, for model code that reads a layer's `.weight`
+        (Hugging Face's ViT reads its dtype to cast the pixels). The layer computes with the int8 codes."""
+        return self.q_w.to(torch.float32) * self.w_scale.reshape(-1, 1, 1, 1)
+
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
         return in_input_dtype(_deployed_conv(x, self.q_w, self.w_colsum, self.w_scale, self.bias, self.x_scale,

@@ -221,6 +221,14 @@ class DeployedGroupedIntLinear(nn.Module):
         self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
 
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight (N, K) float32, each group times its scale, for model code that reads a layer's
+        `.weight` (its dtype, its shape). The layer computes with the int4 / int8 codes."""
+        N, K = self.q_w.shape
+        w = self.q_w.to(torch.float32).reshape(N, -1, self.group_size) * self.w_scale.unsqueeze(-1)
+        return w.reshape(N, K)
+
     def forward(self, input: Tensor) -> Tensor:
         return in_input_dtype(_apply(input, self.q_w, self.w_scale, self.bias, self.x_scale, self.x_zero_point,
                                      self.x_qmin, self.x_qmax, self.x_dynamic), input)

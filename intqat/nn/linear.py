@@ -214,6 +214,7 @@ class IntLinear(_QuantLinearBase):
             x_qmax=aq.qmax,
             x_dynamic=aq.dynamic,
             input_codes=self.input_chained,
+            transposed=self.transposed,
             out_qparams=None if oq is None else (
                 oq.scale.detach().clone(), rounded_zero_point(oq.zero_point, oq.qmin, oq.qmax), oq.qmin, oq.qmax, self.output_relu
             ),
@@ -239,8 +240,9 @@ class DeployedIntLinear(nn.Module):
     """Inference-only integer linear layer with int8 weights: what `torch.export` packages."""
 
     def __init__(self, q_w, w_scale, bias, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic,
-                 input_codes: bool = False, out_qparams: tuple | None = None):
+                 input_codes: bool = False, out_qparams: tuple | None = None, transposed: bool = False):
         super().__init__()
+        self.transposed = transposed  # deployed from a Conv1D: `weight` reads (in, out), as the Conv1D's did
         self.input_codes = input_codes  # takes int8 codes from a chained producer
         self.out_codes = out_qparams is not None  # returns int8 codes for a chained consumer
         if out_qparams is not None:
@@ -255,6 +257,14 @@ class DeployedIntLinear(nn.Module):
         self.register_buffer("x_scale", x_scale.to(torch.float32).reshape(1))
         self.register_buffer("x_zero_point", x_zero_point.to(torch.int32).reshape(1))
         self.x_qmin, self.x_qmax, self.x_dynamic = x_qmin, x_qmax, x_dynamic
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight q_w * s_w, float32, in the layout of the layer it came from: for model code
+        that reads a layer's `.weight` (Hugging Face's T5 and ViT read its dtype to cast their inputs). The
+        layer itself computes with the int8 codes, never with this."""
+        w = self.q_w.to(torch.float32) * self.w_scale.reshape(-1, 1)
+        return w.t() if self.transposed else w
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         if self.input_codes and input.dtype != torch.int8:
