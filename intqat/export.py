@@ -515,9 +515,25 @@ def _integer_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     return deployed, {"integer_layers": n_dep, "integer_attention": n_attn, "converted_from_fake_quant": n_fake}
 
 
-def _dynamic_batch(args: tuple) -> tuple:
+def _dynamic_batch(module: nn.Module, args: tuple) -> tuple | dict:
+    """dim 0 of every tensor input dynamic, in the structure torch.export wants for module.forward's signature:
+    per positional argument, or by name with a tuple for a `*args` parameter (a wrapper's forward(*args))."""
+    import inspect
+
     auto = torch.export.Dim.AUTO
-    return tuple({0: auto} if isinstance(a, Tensor) and a.dim() > 0 else None for a in args)
+
+    def spec(a):
+        return {0: auto} if isinstance(a, Tensor) and a.dim() > 0 else None
+
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        params = ()
+    var = next((p for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
+    if var is None:
+        return tuple(spec(a) for a in args)
+    bound = inspect.signature(module.forward).bind(*args).arguments
+    return {name: tuple(spec(a) for a in value) if name == var.name else spec(value) for name, value in bound.items()}
 
 
 def export_mixed_precision(
@@ -528,6 +544,7 @@ def export_mixed_precision(
     calibration_data: Iterable | None = None,
     validation_data: Iterable | None = None,
     dynamic_batch: bool = True,
+    dynamic_shapes: Any = None,
     **autocast_options: Any,
 ) -> ExportResult:
     """Export `model` (never modified) as a mixed-precision program and measure what it costs.
@@ -537,6 +554,8 @@ def export_mixed_precision(
     of input tuples, or a DataLoader of (inputs, labels)); None skips data_max. validation_data:
     batches the errors (and accuracy) are measured on; default calibration_data, else the
     examples. labels: one per validation sample, in batch order (or let the batches carry them).
+    dynamic_shapes: torch.export's, for dims beyond the batch, e.g. a sequence length:
+    `({0: Dim.AUTO, 1: Dim.AUTO},)` (then dynamic_batch is not used); None: the batch only (dynamic_batch).
     autocast_options: intqat.autocast.convert's keywords (low_precision_type, data_max, ...).
     """
     from intqat import __version__
@@ -552,7 +571,7 @@ def export_mixed_precision(
         validation_batches = calibration if calibration is not None else [args]
 
     deployed, layers = _integer_copy(model)
-    shapes = _dynamic_batch(args) if dynamic_batch else None
+    shapes = dynamic_shapes if dynamic_shapes is not None else _dynamic_batch(deployed, args) if dynamic_batch else None
     with torch.no_grad():
         exported = torch.export.export(deployed, args, dynamic_shapes=shapes)
     reference = tidy_program(exported)

@@ -436,3 +436,33 @@ def test_aoti_package_for_cpus_without_int8_dot_units_decomposes_int_mm_exactly(
     assert report["checked_equal_on"] and report["int_mm"].startswith("exact fp32")
     with pytest.raises(ValueError, match="int_mm='bf16'"):
         compile_aoti(result.program, tmp_path / "n.aoti.pt2", (x,), int_mm="bf16")
+
+
+def test_export_takes_dynamic_shapes_and_forward_star_args():
+    """A sequence model exports with its sequence length dynamic (dynamic_shapes, passed to torch.export), and a
+    wrapper whose forward takes *args exports with its batch dynamic (it failed on the dynamic_shapes structure)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 6, 16)
+    intqat.prepare_qat(model, "w8a8")
+    intqat.calibrate(model, [x])
+    model = intqat.to_integer(model).eval()
+    auto = torch.export.Dim.AUTO
+    result = intqat.export_mixed_precision(model, (x,), dynamic_shapes=({0: auto, 1: auto},))
+    longer = torch.randn(3, 11, 16)
+    with torch.no_grad():
+        assert torch.equal(result.reference.module()(longer), model(longer))
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *args):
+            return self.inner(args[0]) + args[1]
+
+    wrapped = Wrapper(model).eval()
+    bias = torch.randn(4, 6, 8)
+    result = intqat.export_mixed_precision(wrapped, (x, bias))
+    with torch.no_grad():
+        assert torch.equal(result.reference.module()(x[:2], bias[:2]), wrapped(x[:2], bias[:2]))
