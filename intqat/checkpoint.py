@@ -208,7 +208,9 @@ def _restore(module: nn.Module, record: Mapping) -> None:
         prepare_qat(module, cfg, filter_fn=lambda m, n, fqns=fqns: n in fqns)
     wanted_integer = {f for f, rec in layers.items() if rec["kind"] == "integer"}
     if any(not isinstance(_find(module, f), integer) for f in wanted_integer):
-        to_integer(module, filter_fn=lambda m, n: n in wanted_integer)
+        with warnings.catch_warnings():  # (the checkpoint's state brings the scales the fresh layers lack)
+            warnings.filterwarnings("ignore", message="to_integer: the input quantizers")
+            to_integer(module, filter_fn=lambda m, n: n in wanted_integer)
     for fqn, rec in layers.items():
         m = _find(module, fqn)
         if not isinstance(m, integer if rec["kind"] == "integer" else fake):

@@ -285,7 +285,7 @@ def to_integer(
         _prepare_model(model, resolve_config(config or "w8a8"), filter_fn, reasons)
     if calibration_data is not None:
         batches = list(calibration_data)  # used twice below: a generator must not run dry
-        if batches:
+        if batches and not isinstance(batches[0], Mapping):  # (torch.ao models take one positional input)
             first = batches[0][0] if isinstance(batches[0], (tuple, list)) else batches[0]
             interop.attach_torch_ao_input_qparams(model, (first,))
         calibrate(model, batches)
@@ -295,6 +295,12 @@ def to_integer(
     left = float_census(model, reasons)
     if left:
         warnings.warn("to_integer left these modules as they were: " + _listing(left), stacklevel=2)
+    unset = [q.layer_name or "(unnamed)" for q in model.modules()
+             if isinstance(q, ActivationQuantizer) and not q.dynamic and not q.spec.learnable and not q._initialized]
+    if unset:
+        warnings.warn(f"to_integer: the input quantizers of {', '.join(unset)} never observed data, so they have no "
+                      "scale: train with observers on, or pass calibration_data=batches (until then their "
+                      "forward raises)", stacklevel=2)
     return model
 
 

@@ -140,3 +140,14 @@ def test_set_qparams_refuses_a_scale_that_is_not_positive(scale):
         aq.set_qparams(scale, 3.0)
     aq.set_qparams(0.05, 3.0)
     assert aq.scale.item() == pytest.approx(0.05)
+
+
+def test_to_integer_of_a_model_that_never_saw_data_says_which_layers():
+    import intqat
+    from torch import nn
+
+    model = intqat.prepare_qat(nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2)), "w8a8")
+    with pytest.warns(UserWarning, match=r"input quantizers of 0, 2 never observed data"):
+        model = intqat.to_integer(model)
+    with pytest.raises(RuntimeError, match=r"activation quantizer of layer '0' has no scale yet"):
+        model.eval()(torch.randn(3, 8))

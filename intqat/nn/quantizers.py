@@ -310,8 +310,8 @@ class ActivationQuantizer(nn.Module):
             keep_learned_scale_positive_(self.scale)
         if not self._initialized and not self.spec.learnable:
             raise RuntimeError(
-                "activation quantizer has no scale yet: run training batches with the observer enabled "
-                "(model.train()) or calibrate before evaluating"
+                f"the activation quantizer of {self._where()} has no scale yet: run training batches with the "
+                "observer enabled (model.train()) or intqat.calibrate(model, batches) before evaluating"
             )
 
     def extra_repr(self) -> str:
