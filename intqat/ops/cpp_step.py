@@ -28,7 +28,6 @@ kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import threading
 import warnings
@@ -44,7 +43,6 @@ from intqat.ops.qparams import SCALE_EPS
 __all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run", "conv_plan", "run_conv",
            "observe_minmax_"]
 
-_log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason: str | None = None  # why it is not available (None: it is, or not tried)
@@ -69,9 +67,10 @@ def _build_and_load() -> None:
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-    _log.info("intqat: building the C++ training ops (kernels/cpu/train_*.cpp, observe.cpp; ~25 s, once)")
     path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
-                                     prefix="train_step", link=link)
+                                     prefix="train_step", link=link,
+                                     announce="intqat: compiling the C++ training ops against this torch (once per "
+                                              "machine and torch version, ~25 s)")
     torch.ops.load_library(str(path))
     _loaded = True
 

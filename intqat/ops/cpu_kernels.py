@@ -28,6 +28,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -179,15 +180,17 @@ def _cache_dir() -> Path:
 def _build(srcs: list[Path]) -> Path:
     """Compile the fused C sources into the cache (once per source / flags / CPU) and return the .so path."""
     return build_library(srcs, compiler=os.environ.get("CC", "cc"), flag_sets=_flag_sets(), prefix="fused",
-                         link=["-lm"])
+                         link=["-lm"], announce=f"intqat: compiling the fused CPU kernels for this CPU into {_cache_dir()} "
+                                             "(once per machine, a few seconds)")
 
 
 def build_library(srcs: list[Path], *, compiler: str, flag_sets: list[list[str]], prefix: str,
-                  link: list[str] = ()) -> Path:
+                  link: list[str] = (), announce: str | None = None) -> Path:
     """Compile `srcs` into a shared library in the cache dir and return its path: the first flag set
     that compiles. Keyed by a hash of the sources (and the headers beside them), flags, compiler, link
     arguments, CPU and torch version, so each combination is built once; written atomically (several
-    processes may build at once: a reader sees no library or a whole one)."""
+    processes may build at once: a reader sees no library or a whole one). `announce`: printed to stderr
+    when a build actually starts (a first step that pauses for seconds says why)."""
     headers = sorted(srcs[0].parent.glob("*.h"))  # included by the sources: part of the cache key
     code = b"\0".join(path.read_bytes() for path in [*srcs, *headers])
     errors = []
@@ -198,6 +201,9 @@ def build_library(srcs: list[Path], *, compiler: str, flag_sets: list[list[str]]
         if out.exists():
             return out
         out.parent.mkdir(parents=True, exist_ok=True)
+        if announce:
+            print(announce, file=sys.stderr, flush=True)
+            announce = None  # once, whichever flag set compiles
         fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
