@@ -21,7 +21,12 @@ Observer = Literal["minmax", "moving_average", "percentile"]
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one tensor (weights or activations) is quantized."""
+    """How one tensor (weights or activations) is quantized.
+
+    The defaults (symmetric, per tensor, static) are a neutral starting point, not a recommendation: the presets
+    (`QuantConfig.from_preset`, e.g. w8a8's per-channel weights and asymmetric activations) are what the recipes
+    train with; override a preset's fields ({"preset": "w8a8", "weight": {"bits": 4}}) rather than start here.
+    """
 
     bits: int = 8  # 2..8; codes are stored in int8 whatever the width
     symmetric: bool = True  # symmetric: zero point 0, narrow range [-(2^(b-1)-1), 2^(b-1)-1]
