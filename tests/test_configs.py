@@ -308,3 +308,20 @@ def test_ckpt_path_resumes_a_run_where_it_stopped(tmp_path):
     assert 2 in epochs and not epochs & {0, 1}  # it started where the first run stopped (3: the test split)
     bad = _cli("recipe=mlp_digits_w8a8", f"ckpt_path={tmp_path / 'nope.ckpt'}")
     assert bad.returncode == 2 and "nope.ckpt: no such checkpoint file" in bad.stderr
+
+
+def test_a_recipe_file_of_your_own_trains(tmp_path):
+    """recipe=path/to/my.yaml: a recipe outside the installed package (after `pip install`, recipes/ is in
+    site-packages) composes with intqat's conf/ groups and trains; a missing file is a usage error."""
+    own = tmp_path / "my_recipes" / "mlp_wide.yaml"
+    own.parent.mkdir()
+    text = (recipes_dir() / "mlp_digits_w8a8.yaml").read_text()
+    assert "  hidden: [128, 128]" in text
+    own.write_text(text.replace("  hidden: [128, 128]", "  hidden: [96, 96]", 1))
+    r = _cli(f"recipe={own}", "trainer.max_epochs=1", "quant=none", "export=none", "+trainer.limit_train_batches=2",
+             "+trainer.limit_val_batches=1", "trainer.enable_progress_bar=false", f"output_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+    assert "- 96" in saved
+    bad = _cli(f"recipe={tmp_path / 'nope.yaml'}")
+    assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr

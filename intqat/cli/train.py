@@ -3,6 +3,7 @@
     intqat-train                                        # the default recipe, mlp_digits_w8a8
     intqat-train recipe=cnn_digits_w8a8 trainer.max_epochs=5 quant=none output_dir=runs/cnn-fp32
     intqat-train recipe=cifar10_cnn_w8a8 data.data_dir=$HOME/data/cifar-10-batches-py
+    intqat-train recipe=my_recipes/mlp_wide.yaml           # your own recipe file, anywhere
 
 Other arguments are Hydra overrides of the recipe (`key=value`, `group=option`, `+new_key=value`).
 The run: seed, build datamodule, module (with its model), callbacks (conf/callbacks/ and, when
@@ -36,6 +37,15 @@ def available_recipes() -> list[str]:
     return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
+def recipe_location(recipe: str) -> tuple[Path, str]:
+    """(directory, config name) of a recipe: a name of intqat's recipes, or the path of your own .yaml file
+    (anywhere; it pulls conf/ as intqat's do, with `hydra: searchpath: [pkg://intqat.conf]`)."""
+    if recipe.endswith((".yaml", ".yml")):
+        path = Path(recipe).expanduser().resolve()
+        return path.parent, path.stem
+    return recipes_dir(), recipe
+
+
 def _usage_error(message: str) -> None:
     print(f"intqat-train: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
@@ -45,8 +55,9 @@ def _usage_error(message: str) -> None:
 def _compose(recipe: str, overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3", job_name="intqat_check"):
-        return compose(config_name=recipe, overrides=overrides)
+    where, name = recipe_location(recipe)
+    with initialize_config_dir(config_dir=str(where), version_base="1.3", job_name="intqat_check"):
+        return compose(config_name=name, overrides=overrides)
 
 
 def _try_compose(recipe: str, overrides: list[str]):
@@ -132,7 +143,7 @@ def check_command_line(recipe: str, overrides: list[str]) -> str | None:
     if missing:
         return (
             f"recipe {recipe!r} needs " + ", ".join(f"{k}=..." for k in missing) + " on the command line "
-            f"(see the comments in {recipes_dir() / (recipe + '.yaml')})"
+            f"(see the comments in {Path(recipe_location(recipe)[0]) / (recipe_location(recipe)[1] + '.yaml')})"
         )
     resume = cfg.get("ckpt_path")
     if resume is not None and not Path(str(resume)).expanduser().is_file():
@@ -270,8 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         _usage_error(f"recipe= given {len(recipes)} times ({', '.join(recipes)}); give it once")
     recipe = recipes[0] if recipes else DEFAULT_RECIPE
     available = available_recipes()
-    if recipe not in available:
-        _usage_error(f"unknown recipe {recipe!r}; available recipes: {', '.join(available)} (in {recipes_dir()})")
+    if recipe.endswith((".yaml", ".yml")):
+        if not Path(recipe).expanduser().is_file():
+            _usage_error(f"recipe file {recipe} does not exist")
+    elif recipe not in available:
+        _usage_error(f"unknown recipe {recipe!r}; available recipes: {', '.join(available)} (in {recipes_dir()}), "
+                     "or the path of your own recipe file (recipe=path/to/my_recipe.yaml)")
 
     # Hydra's flags (--help, --cfg job, ...) go straight to Hydra; plain overrides are checked here,
     # where the message can say which keys exist.
@@ -286,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg, recipe, argv)
 
     sys.argv = [sys.argv[0], *argv]  # what hydra.main parses
-    hydra.main(version_base="1.3", config_path=str(recipes_dir()), config_name=recipe)(task)()
+    where, name = recipe_location(recipe)
+    hydra.main(version_base="1.3", config_path=str(where), config_name=name)(task)()
 
 
 if __name__ == "__main__":
