@@ -104,3 +104,28 @@ def test_a_model_with_one_input_feature_trains_on_what_it_deploys():
             eval_y = model(x)
         exported = torch.export.export(model, (x,)).module()(x)
         assert torch.equal(train_y, eval_y) and torch.equal(eval_y, exported)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_empty_weights_and_a_permuted_input_equal_the_reference(path):
+    """A layer with no output (N = 0) or no input (K = 0) feature trains on every backend (the reference raised),
+    and a permuted 3-D input gives the reference's grad_w bit for bit (the reference kept x's layout for x_hat,
+    and its fp32 GEMM summed in another order: 1 ulp)."""
+
+    def step(x, w):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = int_linear(x, w, None, torch.tensor([0.02]), torch.tensor([3.0]), None)
+        y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        return y.detach(), x.grad, w.grad
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(4, 7, generator=g), torch.randn(0, 7, generator=g)),
+             (torch.randn(4, 0, generator=g), torch.randn(3, 0, generator=g)),
+             (torch.randn(6, 7, 5, generator=g).permute(0, 2, 1), torch.randn(3, 7, generator=g))]
+    for x, w in cases:
+        with _context(path):
+            got = step(x, w)
+        with backends.use_backend("reference"):
+            want = step(x, w)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(_bits(a), _bits(b)), (tuple(x.shape), tuple(w.shape))

@@ -478,7 +478,9 @@ def int_linear(
     if w_clip_mask is None:
         w_clip_mask = True
     flat = x.dim() == 2  # (M, K) already: no view on either side (each one an autograd node per step)
-    x2d = (x if flat else x.reshape(-1, x.shape[-1])).to(torch.float32)
+    # row-major on every backend: the codes and x_hat the backward multiplies keep one layout, so the fp32
+    # GEMMs sum in the same order everywhere (a permuted x gave the reference another grad_w, 1 ulp)
+    x2d = (x if flat else x.reshape(-1, x.shape[-1])).to(torch.float32).contiguous()
     y = None
     if backends.eager_cpu((x2d, weight, bias, x_scale, x_zero_point, w_scale)):
         y = _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,

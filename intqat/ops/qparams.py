@@ -30,6 +30,8 @@ def row_absmax(x: Tensor, dim: int | None = 1, keepdim: bool = False) -> Tensor:
     """
     if dim is None:
         return torch.maximum(x.amax(), x.amin().neg()).to(torch.float32)
+    if x.shape[dim] == 0:  # (K = 0: no element, |x| max 0, as the fused pass gives; amax refuses empty dims)
+        return x.new_zeros(x.sum(dim=dim, keepdim=keepdim).shape, dtype=torch.float32)
     return torch.maximum(x.amax(dim=dim, keepdim=keepdim), x.amin(dim=dim, keepdim=keepdim).neg()).to(torch.float32)
 
 

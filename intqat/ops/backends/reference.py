@@ -136,7 +136,7 @@ class Reference(Backend):
         mask = clamped == r if need_mask else None
         rowsum = None
         if need_rowsum:  # exact in fp32: every partial sum is an integer below 128 K <= 2^24
-            rowsum = q.reshape(q.shape[0], -1).to(torch.float32).sum(dim=1).to(torch.int32)
+            rowsum = q.flatten(1).to(torch.float32).sum(dim=1).to(torch.int32)  # (flatten: 0 rows too)
         return q, mask, rowsum
 
     def quantize_rows_dynamic(self, x, qmin, qmax, eps, need_rowsum=False):
