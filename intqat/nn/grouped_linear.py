@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
 from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d
-from intqat.nn.quantizers import ActivationQuantizer
+from intqat.nn.quantizers import ActivationQuantizer, keep_learned_scale_positive_
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
     check_group_size,
@@ -67,7 +67,9 @@ class GroupWeightQuantizer(nn.Module):
         return minmax_group_scale(weight, self.group_size, self.scale_div)
 
     def group_scale(self, weight: Tensor) -> Tensor:
-        """The (N, G) scale: learned, or the weight's min-max."""
+        """The (N, G) scale: learned (kept >= SCALE_EPS in training), or the weight's min-max."""
+        if self.scale is not None and self.training:
+            keep_learned_scale_positive_(self.scale)
         return self.scale if self.scale is not None else self.minmax_scale(weight)
 
     def channel_scale(self, weight: Tensor) -> Tensor:
