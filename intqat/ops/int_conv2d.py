@@ -336,8 +336,8 @@ def int_conv2d(
     x_dynamic: bool = False, w_clip_mask: bool | None = None,
 ) -> Tensor:
     """Integer conv2d, differentiable (STE + LSQ). x (B, C, H, W) float; weight (O, C/groups, kh, kw);
-    w_scale (O,); static activations: x_scale (1,), x_zero_point (1,). Padding must be numeric
-    (string padding is resolved by IntConv2d)."""
+    w_scale (O,); static activations: x_scale (1,), x_zero_point (1,); scales positive (not read to check, as
+    int_linear). Padding must be numeric (string padding is resolved by IntConv2d)."""
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, groups, x_dynamic)
     stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
     _check_window(x, weight, stride, padding, dilation)

@@ -458,6 +458,8 @@ def int_linear(
     x (..., K) float, weight (N, K), bias (N,) or None.
     w_scale (N,) fp32 (learnable or not), or None for the min-max scale max(max|W[n]| / w_qmax, eps)
     computed inside the op (on the CPU in the same pass that makes the codes; it never clips).
+    Scales must be positive: the op does not read them to check (that would sync a GPU per call); the
+    modules keep theirs >= eps (observers, LSQ's clamp, set_qparams' check).
     Static activations: x_scale (1,) and x_zero_point (1,) (float or int; learnable by LSQ / LSQ+).
     `x_dynamic=True`: per-token symmetric scales from the data; x_scale / x_zero_point are ignored.
     `w_clip_mask`: keep the weight clip mask for backward (default True). A caller whose w_scale is
