@@ -224,6 +224,20 @@ def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dic
     return out
 
 
+def _unobserved_quantizers(model: nn.Module) -> list[str]:
+    """Names of static, not learned input quantizers that never observed data. An attention layer's key / value
+    quantizers count only when its query one observed nothing either: self-attention quantizes its one input
+    with the query's (the others are for cross-attention, which the data may never have had)."""
+    siblings = set()
+    for m in model.modules():
+        q = getattr(m, "q_input_quantizer", None)
+        if isinstance(q, ActivationQuantizer) and q._initialized:
+            siblings.update(id(getattr(m, f"{r}_input_quantizer", None)) for r in ("k", "v"))
+    return [q.layer_name or "(unnamed)" for q in model.modules()
+            if isinstance(q, ActivationQuantizer) and not q.dynamic and not q.spec.learnable and not q._initialized
+            and id(q) not in siblings]
+
+
 def _raw_weight_parameters(m: nn.Module, fqn: str) -> dict[str, str]:
     """Matrices a custom forward multiplies by itself (Mixtral's experts, XLNet's attention): Parameters of
     the module's own with >= 2 dims all >= 2. No module to convert holds them, so they compute in float;
@@ -295,8 +309,7 @@ def to_integer(
     left = float_census(model, reasons)
     if left:
         warnings.warn("to_integer left these modules as they were: " + _listing(left), stacklevel=2)
-    unset = [q.layer_name or "(unnamed)" for q in model.modules()
-             if isinstance(q, ActivationQuantizer) and not q.dynamic and not q.spec.learnable and not q._initialized]
+    unset = _unobserved_quantizers(model)
     if unset:
         warnings.warn(f"to_integer: the input quantizers of {', '.join(unset)} never observed data, so they have no "
                       "scale: train with observers on, or pass calibration_data=batches (until then their "
