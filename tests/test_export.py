@@ -466,3 +466,17 @@ def test_export_takes_dynamic_shapes_and_forward_star_args():
     result = intqat.export_mixed_precision(wrapped, (x, bias))
     with torch.no_grad():
         assert torch.equal(result.reference.module()(x[:2], bias[:2]), wrapped(x[:2], bias[:2]))
+
+
+def test_cli_and_graphs_take_a_recipe_file_of_your_own(run_dir, tmp_path, capsys):
+    """--recipe path/to/my.yaml (intqat-export) and recipe=path/to/my.yaml (intqat-graphs), as intqat-train takes."""
+    from intqat.cli.graphs import compose_recipe
+    from intqat.cli.train import recipes_dir
+
+    own = tmp_path / "mine" / "my_mlp.yaml"
+    own.parent.mkdir()
+    own.write_text((recipes_dir() / f"{RECIPE}.yaml").read_text())
+    out = tmp_path / "out"
+    cli.main([str(run_dir / "checkpoints" / "last.ckpt"), "--recipe", str(own), "--out", str(out)])
+    assert (out / "model.pt2").is_file() and "my_mlp" in json.loads((out / "report.json").read_text())["export"]["source"]
+    assert compose_recipe(str(own), ["model.hidden=[16]"]).model.hidden == [16]

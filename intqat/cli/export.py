@@ -73,13 +73,18 @@ def load_config(source: Source, recipe: str | None, overrides: list[str]) -> tup
     if recipe is not None:
         from hydra import compose, initialize_config_dir
 
-        from intqat.cli.train import available_recipes, recipes_dir
+        from intqat.cli.train import available_recipes, recipe_location
 
-        if recipe not in available_recipes():
-            raise ExportError(f"unknown recipe {recipe!r}; available recipes: {', '.join(available_recipes())}", EXIT_USAGE)
+        own = recipe.endswith((".yaml", ".yml"))
+        if own and not Path(recipe).expanduser().is_file():
+            raise ExportError(f"recipe file {recipe} does not exist", EXIT_USAGE)
+        if not own and recipe not in available_recipes():
+            raise ExportError(f"unknown recipe {recipe!r}; available recipes: {', '.join(available_recipes())}, or "
+                              "the path of your own recipe file", EXIT_USAGE)
+        where, name = recipe_location(recipe)
         try:
-            with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3", job_name="intqat_export"):
-                cfg = compose(config_name=recipe, overrides=overrides)
+            with initialize_config_dir(config_dir=str(where), version_base="1.3", job_name="intqat_export"):
+                cfg = compose(config_name=name, overrides=overrides)
         except Exception as e:  # noqa: BLE001  (Hydra raises several types; all mean "bad override")
             raise ExportError(f"cannot compose recipe {recipe!r} with {' '.join(overrides)}: {e}", EXIT_USAGE) from None
         return cfg, f"recipe {recipe}" + (f" with {' '.join(overrides)}" if overrides else "")
@@ -223,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", type=Path, help="a checkpoint (.ckpt) or an intqat-train run directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="overrides of the config, e.g. model.hidden=[64,64] (as for intqat-train)")
-    p.add_argument("--recipe", help="the recipe the checkpoint was trained with (default: the run's own config)")
+    p.add_argument("--recipe", help="the recipe the checkpoint was trained with: a name of recipes/, or the path of "
+                                     "your own .yaml (default: the run's own config)")
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export for a run directory, CKPT_STEM-export next to a checkpoint given by its path; an existing CKPT_STEM-export is not replaced without --out)")
     p.add_argument("--low-precision", choices=("bf16", "fp16"), default="bf16", help="type of the float ops autocast lowers (default bf16)")
     p.add_argument("--data-max", type=float, default=512.0, help="ops whose |values| exceed this on the calibration data stay fp32 (default 512)")

@@ -31,7 +31,7 @@ Written to out/ (default outputs/graphs/<recipe>):
     report.txt   what was printed
 
 Arguments are key=value. intqat-graphs' own keys:
-    recipe=NAME          a recipe of recipes/*.yaml (default mlp_digits_w8a8)
+    recipe=NAME          a recipe of recipes/*.yaml (default mlp_digits_w8a8), or the path of your own .yaml
     checkpoint=PATH      a Lightning checkpoint of intqat-train (a bare *.ckpt path works too): the
                          model comes from it, and the stages from its own onwards (an integer
                          checkpoint has only the integer stage). Without recipe=, the run's
@@ -126,7 +126,7 @@ def parse_args(argv: list[str]) -> GraphsOptions:
         if "=" not in arg:
             if arg.startswith("-"):
                 raise UsageError(f"unknown option {arg!r} (arguments are key=value; see --help)")
-            if arg.endswith(".ckpt") or Path(arg).is_file():
+            if arg.endswith(".ckpt") or (Path(arg).is_file() and not arg.endswith((".yaml", ".yml"))):
                 key, value = "checkpoint", arg
             else:
                 key, value = "recipe", arg
@@ -175,9 +175,12 @@ def compose_recipe(recipe: str, overrides: list[str]):
     from intqat.cli import train as train_cli
 
     available = train_cli.available_recipes()
-    if recipe not in available:
+    if recipe.endswith((".yaml", ".yml")):  # your own recipe file (as intqat-train takes it)
+        if not Path(recipe).expanduser().is_file():
+            raise UsageError(f"recipe file {recipe} does not exist")
+    elif recipe not in available:
         raise UsageError(f"unknown recipe {recipe!r}; available recipes: {', '.join(available)} "
-                         f"(in {train_cli.recipes_dir()})")
+                         f"(in {train_cli.recipes_dir()}), or the path of your own recipe file")
     compose = getattr(train_cli, "compose_recipe", None) or getattr(train_cli, "_compose", None) or _compose
     try:
         return compose(recipe, overrides)
@@ -784,7 +787,7 @@ def run(opts: GraphsOptions, log: Callable[[str], None] = print) -> tuple[int, d
         cfg = _apply_overrides(cfg, opts.overrides)
         cfg_source = f"run config {path}"
     seed = int(cfg.get("seed", 0) or 0)
-    name = opts.recipe or opts.checkpoint.resolve().parent.parent.name
+    name = Path(opts.recipe).stem if opts.recipe else opts.checkpoint.resolve().parent.parent.name
     out = opts.out or DEFAULT_OUT_ROOT / name
 
     torch.manual_seed(seed)
