@@ -512,5 +512,5 @@ def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax,
         s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
         if z is None or s_x != s_x:
             return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_step.run(plan, x2d.contiguous(), weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
+    return cpp_step.run(plan, x2d, weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
                           x_dynamic, w_clip_mask)
