@@ -161,7 +161,12 @@ def test_keep_float_and_unknown_names():
         assert torch.equal(qdq.dw.weight, ref.dw.w_hat())
         x = torch.randn(2, 16, 4, 4)
         assert torch.allclose(qdq.dw(x), nn.functional.conv2d(x, ref.dw.w_hat(), ref.dw.bias, 1, 1, 1, 16), atol=0)
-    with pytest.raises(ValueError, match="keep_float names \\['nope'\\]"):
+    stored = to_qdq(model, fp32_weights=["head"])  # w_hat stored fp32, the input keeps its Q/DQ: the same numbers
+    assert stored.head.w_stored.dtype == torch.float32 and not hasattr(stored.head, "q_w")
+    with torch.no_grad():
+        x = torch.randn(2, 3, 8, 8)
+        assert torch.equal(stored(x), ref(x))
+    with pytest.raises(ValueError, match="keep_float / fp32_weights name \\['nope'\\]"):
         to_qdq(model, keep_float=["nope"])
 
 

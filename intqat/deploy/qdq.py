@@ -60,11 +60,13 @@ def _in_dtype(y: Tensor, x: Tensor) -> Tensor:
     return y if y.dtype == x.dtype or not x.is_floating_point() else y.to(x.dtype)
 
 
-def _declared_range(qmin: int, qmax: int) -> tuple[int, int]:
-    """The weight range the dequantize op declares. intqat's symmetric codes lie in [-qmax, qmax]; 4-bit codes are
-    declared on the int4 grid [-8, 7] (they lie in [-7, 7] inside it), the range XNNPACK packs two to a byte
-    (per channel: qc4w; per group: qb4w). 8-bit keeps [-127, 127], as XNNPACKQuantizer's weights."""
-    return (-8, 7) if (qmin, qmax) == (-7, 7) else (qmin, qmax)
+def _declared_range(qmin: int, qmax: int, pack4: bool = True) -> tuple[int, int]:
+    """The weight range the dequantize op declares. intqat's symmetric codes lie in [-qmax, qmax]; 4-bit codes of
+    linear layers are declared on the int4 grid [-8, 7] (they lie in [-7, 7] inside it), the range XNNPACK packs two
+    to a byte (per channel: qc4w; per group: qb4w). Conv weights keep their own range (pack4=False): XNNPACK's qc4w
+    conversion takes 2-D weights only ("convert_to_qc4w: expecting input tensor to be 2d"), so a 4-bit conv runs
+    on its int8 kernel, one code per byte. 8-bit keeps [-127, 127], as XNNPACKQuantizer's weights."""
+    return (-8, 7) if pack4 and (qmin, qmax) == (-7, 7) else (qmin, qmax)
 
 
 class _ActivationQDQ(nn.Module):
@@ -120,15 +122,26 @@ class _PerChannelWeight(nn.Module):
     """int8 codes (O, ...) with one scale per output channel: dequantize_per_channel, axis 0."""
 
     def _init_weight(self, q_w: Tensor, w_scale: Tensor, qmin: int, qmax: int) -> None:
+        self.register_buffer("w_stored", None)  # fp32 w_hat in place of the codes (dequantize_weight_at_export)
         self.register_buffer("q_w", q_w.contiguous())
         self.register_buffer("w_scale", w_scale.to(torch.float32).reshape(-1).contiguous())
         self.register_buffer("w_zero_point", torch.zeros(q_w.shape[0], dtype=torch.int64))
-        self.w_qmin, self.w_qmax = _declared_range(qmin, qmax)
+        self.w_qmin, self.w_qmax = _declared_range(qmin, qmax, pack4=q_w.dim() == 2)
 
     def w_hat(self) -> Tensor:
+        if self.w_stored is not None:
+            return self.w_stored
         qd, _ = _ops()
         return qd.dequantize_per_channel.default(self.q_w, self.w_scale, self.w_zero_point, 0, self.w_qmin,
                                                  self.w_qmax, torch.int8)
+
+    @torch.no_grad()
+    def dequantize_weight_at_export(self) -> None:
+        """Store w_hat = q_w * s_w (fp32, the same values) instead of the codes: the activation keeps its Q/DQ, the
+        GEMM becomes a float one (for a runtime whose integer GEMM could not give this layer's float output)."""
+        w = self.w_hat().clone()
+        del self.q_w, self.w_scale, self.w_zero_point
+        self.w_stored = w
 
 
 class QDQIntLinear(_PerChannelWeight):
@@ -179,7 +192,7 @@ class QDQIntConv2d(_PerChannelWeight):
         return _in_dtype(y, input)
 
     def extra_repr(self) -> str:
-        o, cg, kh, kw = self.q_w.shape
+        o, cg, kh, kw = self.w_hat().shape
         return f"{cg * self.groups}, {o}, kernel_size=({kh}, {kw}), stride={self.stride}, groups={self.groups}"
 
 
@@ -311,20 +324,27 @@ def _swap(parent: nn.Module, prefix: str, keep_float: set[str], done: set[str]) 
         done.add(fqn)
 
 
-def to_qdq(model: nn.Module, *, keep_float=()) -> nn.Module:
+def to_qdq(model: nn.Module, *, keep_float=(), fp32_weights=()) -> nn.Module:
     """The Q/DQ deploy form of `model` (never modified): a float nn.Module with the same call signature, in eval
     mode, whose integer layers are quantize -> dequantize -> float op (module docstring). Fake-quant layers are
     converted to integer first (their scales carry over), integer ones deployed. keep_float: names of layers (as
-    in model.named_modules()) to keep float instead, with their dequantized weights."""
+    in model.named_modules()) to keep float instead, with their dequantized weights. fp32_weights: names of
+    per-channel layers whose weight is stored dequantized (w_hat, fp32) while the input keeps its Q/DQ."""
     _ops()
-    keep = set(keep_float)
+    keep, fp32w = set(keep_float), set(fp32_weights)
     work = _integer_copy(model)
     done: set[str] = set()
     _swap(work, "", keep, done)
-    unknown = sorted(keep - done)
+    for name, layer in qdq_layers(work).items():
+        if name in fp32w:
+            if not isinstance(layer, (QDQIntLinear, QDQIntConv2d)):
+                raise ValueError(f"to_qdq: fp32_weights names {name}, a {type(layer).__name__}: only per-channel "
+                                 "linear and conv layers store w_hat")
+            layer.dequantize_weight_at_export()
+    unknown = sorted((keep | fp32w) - done)
     if unknown:
         layers = sorted(qdq_layers(work)) or ["(none)"]
-        raise ValueError(f"to_qdq: keep_float names {unknown}, which are not integer layers of the model; its "
+        raise ValueError(f"to_qdq: keep_float / fp32_weights name {unknown}, which are not integer layers of the model; its "
                          f"integer layers: {', '.join(layers)}")
     return work.eval()
 
