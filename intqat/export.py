@@ -611,6 +611,8 @@ def export_fn_for_callback(
     calibration_batches: int = 4,
     validation_split: str = "test",
     aoti: bool = False,
+    formats: Sequence[str] | str = ("pt2",),
+    max_batch: int = 64,
     **autocast_options: Any,
 ) -> ExportResult | None:
     """IntQAT(export_fn=...) hook: export pl_module.model into export_dir at the end of fit.
@@ -618,11 +620,17 @@ def export_fn_for_callback(
     Calibrates on the first `calibration_batches` of the validation split and reports the error
     and accuracy on the whole `validation_split` ("test" or "val") of trainer.datamodule. Runs on
     global rank 0 only (returns None elsewhere). aoti: also write model.aoti.pt2 (see
-    ExportResult.save). Bind options with functools.partial, or in a
+    ExportResult.save). formats: what to write (intqat.deploy.formats: pt2, pte, onnx, onnx-int; a recipe's
+    export.formats); the deploy ones go beside model.pt2 (max_batch: the .pte's largest batch); returns the pt2
+    result, None without pt2. Bind options with functools.partial, or in a
     recipe: `export_fn: {_target_: intqat.export.export_fn_for_callback, _partial_: true}`.
     """
+    from intqat.deploy.formats import check_formats, export_deploy_formats, parse_formats
+
     if not getattr(trainer, "is_global_zero", True):
         return None
+    formats = parse_formats(formats)
+    check_formats(formats)  # a missing package fails now, before anything is exported
     if validation_split not in ("test", "val"):
         raise ValueError(f"validation_split={validation_split!r}: use 'test' or 'val'")
     datamodule = getattr(trainer, "datamodule", None)
@@ -635,9 +643,19 @@ def export_fn_for_callback(
     loader = datamodule.test_dataloader() if validation_split == "test" else datamodule.val_dataloader()
     validation = [cpu(b) for b in loader]
     example = calibration[0][0][:2]
-    result = export_mixed_precision(model, (example,), calibration_data=calibration,
-                                    validation_data=validation, **autocast_options)
-    result.info["source"] = f"end of fit, epoch {getattr(trainer, 'current_epoch', '?')}, step {getattr(trainer, 'global_step', '?')}"
-    result.info["validation_split"] = validation_split
-    result.save(export_dir, aoti=aoti)
+    source = f"end of fit, epoch {getattr(trainer, 'current_epoch', '?')}, step {getattr(trainer, 'global_step', '?')}"
+    result = None
+    if "pt2" in formats:
+        result = export_mixed_precision(model, (example,), calibration_data=calibration,
+                                        validation_data=validation, **autocast_options)
+        result.info["source"] = source
+        result.info["validation_split"] = validation_split
+    deploy = [f for f in formats if f != "pt2"]
+    if deploy:  # the float regions under the same autocast rules as model.pt2 (bf16 unless the options say)
+        options = {"low_precision_type": torch.bfloat16, **autocast_options}
+        export_deploy_formats(model, (example,), export_dir, deploy, calibration_data=calibration,
+                              validation_data=validation, max_batch=max_batch,
+                              info={"source": source, "validation_split": validation_split}, **options)
+    if result is not None:
+        result.save(export_dir, aoti=aoti)
     return result
