@@ -108,7 +108,10 @@ def test_group_option_instantiates(group, option, tmp_path, cifar_dir):
         callbacks = [instantiate(c) for c in node.values() if c is not None]
         assert all(hasattr(c, "state_dict") for c in callbacks)
     elif group == "export":
-        assert set(node) == {"enabled", "dir", "fn"}
+        assert set(node) == {"enabled", "dir", "fn", "formats"}
+        from intqat.deploy.formats import parse_formats
+
+        assert parse_formats(list(node.formats)) == ["pt2"]  # the default: nothing changes for current users
         if node.enabled:
             qat = instantiate(_compose_train([f"export={option}", "quant=w8a8", f"output_dir={tmp_path}"]).quant)
             assert qat.export_on_fit_end and callable(qat.export_fn) and str(qat.export_dir).startswith(str(tmp_path))

@@ -1,8 +1,15 @@
-"""intqat-export: a training checkpoint -> model.pt2 + report.json + report.md.
+"""intqat-export: a training checkpoint -> model.pt2 + report.json + report.md, and the deploy formats asked for.
 
     intqat-export runs/mlp_digits_w8a8/2025-01-01_12-00-00          # a run dir: its config, last.ckpt
     intqat-export path/to/last.ckpt --recipe mlp_digits_w8a8 --out export/
     intqat-export RUN_DIR --low-precision fp16 --data-max 256 model.hidden=[64,64]
+    intqat-export RUN_DIR --format pt2,pte                          # + model.pte (ExecuTorch, XNNPACK)
+
+Formats (--format, comma-separated; default: the config's export.formats, else pt2):
+  pt2       model.pt2 + report.json / report.md: the torch.export program (intqat.export)
+  pte       model.pte + model_report.json / .md: ExecuTorch lowered with XNNPACK (intqat.deploy.executorch)
+  onnx      model.onnx (Q/DQ) and onnx-int: model.int.onnx (integer ops): intqat.deploy.onnx
+Each format's packages are checked before anything is loaded (pip install 'intqat[deploy]').
 
 The model is rebuilt from the run's composed config (RUN_DIR/.hydra/config.yaml, or config.yaml)
 or from --recipe (plus key=value overrides), given the quantized layers the checkpoint records
@@ -25,6 +32,8 @@ from typing import Any
 
 EXIT_ERROR, EXIT_USAGE = 1, 2
 CONFIG_FILES = (".hydra/config.yaml", "config.yaml")  # where a run directory keeps its config
+# intqat.deploy.formats.FORMATS, spelled out so that --help imports nothing heavy (a test keeps them equal)
+FORMATS = ("pt2", "pte", "onnx", "onnx-int")
 
 
 class ExportError(Exception):
@@ -239,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-batches", type=int, default=4, help="validation batches for data_max calibration (default 4)")
     p.add_argument("--split", choices=("test", "val"), default="test", help="split the error and accuracy are measured on (default test)")
     p.add_argument("--no-compress", action="store_true", help="store model.pt2 uncompressed, laid out as torch.export.save writes it")
+    p.add_argument("--format", dest="formats", metavar="LIST",
+                   help=f"comma-separated formats to write, of {','.join(FORMATS)} (default: the config's "
+                        "export.formats, else pt2)")
+    p.add_argument("--max-batch", type=int, default=64,
+                   help="pte: the largest batch the .pte takes (ExecuTorch plans memory for it; default 64)")
     p.add_argument("--aoti", action="store_true",
                    help="also write model.aoti.pt2: the program compiled by AOTInductor for this CPU (~15 s; "
                         "lowest latency; checked equal to model.pt2 before it is kept)")
@@ -261,12 +275,45 @@ def _autocast_options(args) -> dict[str, Any]:
     return options
 
 
+def parse_formats(text) -> list[str]:
+    """--format's / export.formats' list, checked (ExportError, exit 2, on a wrong name)."""
+    from intqat.deploy.formats import parse_formats as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ExportError(f"--format: {e}", EXIT_USAGE) from None
+
+
+def config_formats(cfg) -> list[str]:
+    """The recipe's export.formats (a list, or a comma-separated string), else pt2."""
+    export = cfg.get("export") if hasattr(cfg, "get") else None
+    value = export.get("formats") if export is not None and hasattr(export, "get") else None
+    return parse_formats(value if value is None or isinstance(value, str) else list(value))
+
+
+def check_formats(formats: list[str]) -> None:
+    """Every format's packages, and the ONNX exporter, before anything is loaded or written."""
+    from intqat.deploy import MissingDeployPackage
+    from intqat.deploy.formats import check_formats as check
+
+    try:
+        check(formats)
+    except (MissingDeployPackage, ValueError) as e:
+        raise ExportError(str(e)) from None
+
+
 def run(args) -> Path:
-    """Every check first, the export, then one atomic save; returns the output directory."""
+    """Every check first, the exports, then the saves (each atomic); returns the output directory."""
     from intqat.export import export_mixed_precision
 
     from intqat.autocast import AutocastConfig
 
+    formats = parse_formats(args.formats) if args.formats is not None else None
+    if formats is not None:
+        check_formats(formats)  # before any loading: a missing package costs nothing
+    if args.max_batch < 1:
+        raise ExportError(f"--max-batch must be >= 1, got {args.max_batch}", EXIT_USAGE)
     if args.calibration_batches < 1:
         raise ExportError(f"--calibration-batches must be >= 1, got {args.calibration_batches}", EXIT_USAGE)
     options = _autocast_options(args)
@@ -276,14 +323,19 @@ def run(args) -> Path:
         raise ExportError(str(e), EXIT_USAGE) from None
     source = find_source(args.source)
     cfg, config_desc = load_config(source, args.recipe, list(args.overrides))
+    if formats is None:
+        formats = config_formats(cfg)
+        check_formats(formats)
     ckpt = load_checkpoint(source.checkpoint)
     model, stage = rebuild_model(cfg, ckpt, source.checkpoint, config_desc)
     example, calibration, validation = data_batches(cfg, args.calibration_batches, args.split)
-    result = export_mixed_precision(model, (example,), calibration_data=calibration,
-                                    validation_data=validation, **options)
-    result.info.update(source=f"{source.checkpoint} (stage {stage!r}, epoch {ckpt.get('epoch')}, "
-                              f"step {ckpt.get('global_step')}); config: {config_desc}",
-                       validation_split=args.split)
+    described = (f"{source.checkpoint} (stage {stage!r}, epoch {ckpt.get('epoch')}, step {ckpt.get('global_step')}); "
+                 f"config: {config_desc}")
+    result = None
+    if "pt2" in formats:
+        result = export_mixed_precision(model, (example,), calibration_data=calibration,
+                                        validation_data=validation, **options)
+        result.info.update(source=described, validation_split=args.split)
     if args.out is not None:
         out = args.out
     else:
@@ -296,24 +348,73 @@ def run(args) -> Path:
         if out.exists() and not given_dir:
             raise ExportError(f"{out} exists (an earlier export of {source.checkpoint.name}): pass --out DIR to "
                               "write elsewhere, or --out that directory to replace it", EXIT_USAGE)
-    try:
-        paths = result.save(out, compress=not args.no_compress, aoti=args.aoti)
-    except OSError as e:  # the save is atomic: nothing half-written is left behind
+    deploy = [f for f in formats if f != "pt2"]
+    try:  # every format exported before the first file is written; each file is written atomically
+        results = export_deploy(model, example, out, deploy, calibration, validation, options, args.max_batch,
+                                described, args.split) if deploy else {}
+        paths = result.save(out, compress=not args.no_compress, aoti=args.aoti) if result is not None else {}
+    except OSError as e:
         raise ExportError(f"cannot write the export into {out}: {e}") from None
+    pte = results.get("pte")
+    if pte is not None:
+        paths.update({p.name: p for p in (pte.path, pte.path.with_name("model_report.md"))})
+    onnx_forms = [f for f in deploy if f.startswith("onnx")]
+    for form in onnx_forms:
+        name = "model.onnx" if form == "onnx" else "model.int.onnx"
+        paths[name] = out / name
 
-    v = result.validation
     print(f"intqat-export: wrote {out}")
-    print(f"  model.pt2    {paths['model.pt2'].stat().st_size / 1024:.1f} KiB; nodes "
-          + ", ".join(f"{n} {p}" for p, n in sorted(result.report.counts().items())))
-    print(f"  error        max abs {v['max_abs_error']:.4g}, mean abs {v['mean_abs_error']:.4g} "
-          f"(vs the fp32 program, {v['samples']} {args.split} samples)")
-    if "accuracy" in v:
-        print(f"  accuracy     {100 * v['accuracy']:.2f}% (fp32 program {100 * v['accuracy_reference']:.2f}%)")
-    if "model.aoti.pt2" in paths:
-        print(f"  model.aoti.pt2 {paths['model.aoti.pt2'].stat().st_size / 1024:.1f} KiB (AOTInductor, this CPU; "
-              "load with torch._inductor.aoti_load_package)")
-    print(f"  report       {paths['report.md']}")
+    if result is not None:
+        v = result.validation
+        print(f"  model.pt2    {paths['model.pt2'].stat().st_size / 1024:.1f} KiB; nodes "
+              + ", ".join(f"{n} {p}" for p, n in sorted(result.report.counts().items())))
+        print(f"  error        max abs {v['max_abs_error']:.4g}, mean abs {v['mean_abs_error']:.4g} "
+              f"(vs the fp32 program, {v['samples']} {args.split} samples)")
+        if "accuracy" in v:
+            print(f"  accuracy     {100 * v['accuracy']:.2f}% (fp32 program {100 * v['accuracy_reference']:.2f}%)")
+        if "model.aoti.pt2" in paths:
+            print(f"  model.aoti.pt2 {paths['model.aoti.pt2'].stat().st_size / 1024:.1f} KiB (AOTInductor, this CPU; "
+                  "load with torch._inductor.aoti_load_package)")
+        print(f"  report       {paths['report.md']}")
+    if pte is not None:
+        print_pte_summary(pte, paths, args.split)
+    for form in onnx_forms:
+        name = "model.onnx" if form == "onnx" else "model.int.onnx"
+        print(f"  {name:<12} {paths[name].stat().st_size / 1024:.1f} KiB")
     return out
+
+
+def export_deploy(model, example, out: Path, formats: list[str], calibration, validation, options: dict,
+                  max_batch: int, described: str, split: str) -> dict:
+    """The deploy formats (intqat.deploy.formats), their float regions under the same autocast options as
+    model.pt2; a model a format cannot be made of is an ExportError naming why, and nothing is written."""
+    from intqat.deploy.formats import export_deploy_formats
+
+    try:
+        return export_deploy_formats(model, (example,), out, formats, calibration_data=calibration,
+                                     validation_data=validation, max_batch=max_batch,
+                                     info={"source": described, "validation_split": split}, **options)
+    except ValueError as e:
+        raise ExportError(f"cannot export {', '.join(formats)}: {e}") from None
+
+
+def print_pte_summary(pte, paths: dict, split: str) -> None:
+    v = pte.validation
+    where = {}
+    for c in pte.census:
+        where[c.where] = where.get(c.where, 0) + 1
+    print(f"  model.pte    {paths['model.pte'].stat().st_size / 1024:.1f} KiB (ExecuTorch, XNNPACK); integer layers: "
+          + ", ".join(f"{n} {w}" for w, n in where.items()))
+    line = (f"  vs integer   top-1 agreement {100 * v['top1_agreement']:.2f}%, max |diff| {v['max_abs_diff']:.4g} "
+            f"({v['max_diff_in_steps']:.3g} output steps) on {v['samples']} {split} samples")
+    print(line)
+    if "perplexity" in v:
+        print(f"  perplexity   {v['perplexity']:.4f} (integer model {v['perplexity_integer']:.4f}, "
+              f"{100 * v['perplexity_change']:+.3f}%)")
+    if pte.size:
+        print(f"  vs fp32 .pte size {pte.size['ratio']:.3f}x; latency "
+              + ", ".join(f"batch {b}: {t['ratio']:.3f}x" for b, t in pte.latency.get("per_batch", {}).items()))
+    print(f"  report       {paths['model_report.md']}")
 
 
 def main(argv: list[str] | None = None) -> None:
