@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from intqat.cli import graphs as cli
+from intqat.graphs.referee import referee
 
 SMALL_MLP = ["recipe=mlp_digits_w8a8", "model.hidden=[16,16,16]", "data.batch_size=16"]
 
@@ -140,12 +141,12 @@ def _loss(out):
 def test_referee_clears_eager_rounding_and_keeps_real_miscompiles():
     opts = cli.GraphsOptions(backend="aot_eager")  # same dynamo + aot_autograd (min-cut) path, no codegen
     x = torch.randn(8, 4)
-    sloppy = cli.referee(_SloppyEagerFp32(), x, _loss, ["grad.w", "loss", "output"], opts)
+    sloppy = referee(_SloppyEagerFp32(), x, _loss, ["grad.w", "loss", "output"], opts)
     assert sloppy.error is None and sloppy.cleared, sloppy.to_table()
     assert {r.verdict for r in sloppy.rows} <= {"eager less accurate", "compiled within tolerance of fp64"}
     assert max(r.compiled_vs_eager for r in sloppy.rows) > 1e-4  # a real disagreement was arbitrated
 
-    wrong = cli.referee(_ReadThenMutate(), x, _loss, ["grad.gamma"], opts)
+    wrong = referee(_ReadThenMutate(), x, _loss, ["grad.gamma"], opts)
     assert wrong.error is None and not wrong.cleared, wrong.to_table()
     (row,) = wrong.rows
     assert row.verdict == "compiled wrong" and row.compiled_vs_fp64 > 100 * row.eager_vs_fp64
@@ -218,6 +219,6 @@ def test_referee_runs_a_language_model_on_token_ids():
     opts = cli.GraphsOptions(backend="aot_eager")
     ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(2))
-    ref = cli.referee(_TinyLM(), ids, lambda out: cli.step_loss(out, tokens), ["loss", "grad.head.weight"], opts)
+    ref = referee(_TinyLM(), ids, lambda out: cli.step_loss(out, tokens), ["loss", "grad.head.weight"], opts)
     assert ref.error is None, ref.to_table()
     assert len(ref.rows) == 2 and ref.cleared, ref.to_table()
