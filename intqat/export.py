@@ -532,7 +532,8 @@ def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs
 def _integer_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     """A deployed copy of model: fake-quant modules become integer, integer ones deployed."""
     import intqat
-    from intqat.nn import DEPLOYED_TYPES, FAKE_QUANT_TYPES, DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
+    from intqat.nn import DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
+    from intqat.registry import DEPLOYED_TYPES, FAKE_QUANT_TYPES
 
     work = copy.deepcopy(model)
     n_fake = sum(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules())

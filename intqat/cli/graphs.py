@@ -293,7 +293,7 @@ def load_checkpoint_model(path: Path):
 
 def stage_of(model) -> str:
     """float / fake_quant / integer: the most advanced kind of layer the model holds."""
-    from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES
+    from intqat.registry import FAKE_QUANT_TYPES, INTEGER_TYPES
 
     kinds = {type(m) for m in model.modules()}
     if any(issubclass(k, INTEGER_TYPES) for k in kinds):
@@ -360,7 +360,7 @@ def is_layer(module) -> bool:
     """A layer captured on its own: nn.Linear / nn.Conv2d and intqat's quantized versions of them."""
     from torch import nn
 
-    from intqat.convert import QUANT_TYPES
+    from intqat.registry import QUANT_TYPES
 
     return isinstance(module, QUANT_TYPES) or type(module) in (nn.Linear, nn.Conv2d)
 

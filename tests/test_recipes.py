@@ -26,7 +26,7 @@ from intqat.data import Cifar10DataModule, DigitsDataModule
 from intqat.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
 from intqat.data.digits import split_indices
 from intqat.models import MLP, Cifar10CNN, SmallCNN
-from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES
+from intqat.registry import FAKE_QUANT_TYPES, INTEGER_TYPES
 from intqat.training import ClassificationModule
 
 GROUPS = ("model", "data", "quant", "trainer", "callbacks", "export")
