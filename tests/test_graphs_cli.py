@@ -38,7 +38,7 @@ def _hash_dirs(out: Path) -> list[Path]:
 
 def test_mlp_recipe_every_stage_extracted_deduplicated_and_validated(tmp_path, capsys):
     out = tmp_path / "graphs"
-    status = cli.main([*SMALL_MLP, "trials=2", f"out={out}"])
+    status = cli.main([*SMALL_MLP, "--trials", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed
 
@@ -81,7 +81,7 @@ def test_mlp_recipe_every_stage_extracted_deduplicated_and_validated(tmp_path, c
 
     # a second run into the same directory replaces its own graphs, leaves the rest alone
     (out / "notes.txt").write_text("mine")
-    assert cli.main([*SMALL_MLP, "trials=0", "stages=integer", "layers=false", f"out={out}"]) == 0
+    assert cli.main([*SMALL_MLP, "--trials", "0", "--stages", "integer", "--no-layers", "--out", str(out)]) == 0
     capsys.readouterr()
     assert [d.name for d in _hash_dirs(out)] == [index["stages"]["integer"]["model"]]
     assert (out / "notes.txt").read_text() == "mine"
@@ -91,8 +91,8 @@ def test_cnn_fake_quant_with_live_batchnorm_is_extracted(tmp_path, capsys):
     """Conv+BN fake quant mutates BN's running stats, which the fold also reads: extraction must
     still succeed (it failed at backward before intqat-graphs kept input mutations in the graph)."""
     out = tmp_path / "cnn"
-    status = cli.main(["recipe=cnn_digits_w8a8", "data.batch_size=8", "model.channels=[4,4]", "stages=fake_quant",
-                       "trials=0", f"out={out}"])
+    status = cli.main(["recipe=cnn_digits_w8a8", "data.batch_size=8", "model.channels=[4,4]", "--stages", "fake_quant",
+                       "--trials", "0", "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed  # fake-quant graph breaks are reported, not fatal
     stage = json.loads((out / "index.json").read_text())["stages"]["fake_quant"]
@@ -160,11 +160,13 @@ def test_unknown_recipe_lists_the_available_ones(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["trials=many"], "trials='many'"),
-    (["stages=float,bogus"], "stages="),
-    (["--frobnicate"], "unknown option"),
+    (["--trials", "many"], "--trials: invalid an integer >= 0 value: 'many'"),
+    (["--stages", "float,bogus"], "--stages: invalid a comma-separated subset of float,fake_quant,integer"),
+    (["--frobnicate"], "unknown option '--frobnicate'"),
     (["recipe=mlp_digits_w8a8", "model.no_such_key=1"], "no_such_key"),
-    (["checkpoint=/nonexistent/last.ckpt"], "does not exist"),
+    (["--checkpoint", "/nonexistent/last.ckpt"], "does not exist"),
+    (["trials=2"], "'trials=2': intqat-graphs takes its own options as flags (--trials ...)"),
+    (["recipe=mlp_digits_w8a8", "recipe=cnn_digits_w8a8"], "recipe given 2 times"),
 ])
 def test_bad_command_lines_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -175,7 +177,7 @@ def test_help(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: intqat-graphs")
-    assert "checkpoint=PATH" in out and "mlp_digits_w8a8" in out
+    assert "--checkpoint PATH" in out and "mlp_digits_w8a8" in out
 
 
 def test_compile_bench_quick_gives_finite_positive_times():

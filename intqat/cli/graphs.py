@@ -1,9 +1,9 @@
 """intqat-graphs: the forward/backward graphs of a recipe's training step, at every QAT stage.
 
     intqat-graphs                                     # the default recipe, mlp_digits_w8a8
-    intqat-graphs recipe=cnn_digits_w8a8 out=outputs/graphs/cnn trials=10
-    intqat-graphs recipe=mlp_digits_w8a8 model.hidden=[32,32,32] data.batch_size=16 trials=2
-    intqat-graphs checkpoint=runs/mlp_digits_w8a8/<date>/checkpoints/last.ckpt
+    intqat-graphs recipe=cnn_digits_w8a8 --out outputs/graphs/cnn --trials 10
+    intqat-graphs recipe=mlp_digits_w8a8 model.hidden=[32,32,32] data.batch_size=16 --trials 2
+    intqat-graphs runs/mlp_digits_w8a8/<date>/checkpoints/last.ckpt
     intqat-graphs recipe=cifar10_cnn_w8a8             # no data.data_dir: a random batch of the right shape
 
 For each stage of the recipe's model:
@@ -30,20 +30,21 @@ Written to out/ (default outputs/graphs/<recipe>):
     index.tsv    one line per captured graph: stage, layer (or "<model>"), module type, hash dir
     report.txt   what was printed
 
-Arguments are key=value. intqat-graphs' own keys:
+Arguments: the recipe and its Hydra overrides as key=value, as intqat-train takes them; intqat-graphs'
+own options as --flags (as intqat-export and intqat-bench take theirs):
     recipe=NAME          a recipe of recipes/*.yaml (default mlp_digits_w8a8), or the path of your own .yaml
-    checkpoint=PATH      a Lightning checkpoint of intqat-train (a bare *.ckpt path works too): the
+    --checkpoint PATH    a Lightning checkpoint of intqat-train (a bare *.ckpt argument works too): the
                          model comes from it, and the stages from its own onwards (an integer
                          checkpoint has only the integer stage). Without recipe=, the run's
                          .hydra/config.yaml next to checkpoints/ supplies data and quant config.
-    out=DIR              output directory (default outputs/graphs/<recipe or checkpoint run>)
-    trials=N             compiled runs compared against eager per stage (default 10; 0: no validation)
-    stages=a,b           a subset of float,fake_quant,integer (default all the recipe has)
-    layers=BOOL          capture every layer on its own as well (default true)
-    calib_batches=N      batches for calibrate() before the fake-quant stage (default 3)
-    backend=NAME         torch.compile backend validated against eager (default inductor)
-    rtol=F atol=F        validation tolerances (default 1e-5 each)
-    verbose=BOOL         print every saved tensor and integer op of each stage (default false)
+    --out DIR            output directory (default outputs/graphs/<recipe or checkpoint run>)
+    --trials N           compiled runs compared against eager per stage (default 10; 0: no validation)
+    --stages a,b         a subset of float,fake_quant,integer (default all the recipe has)
+    --no-layers          do not capture every layer on its own as well
+    --calib-batches N    batches for calibrate() before the fake-quant stage (default 3)
+    --backend NAME       torch.compile backend validated against eager (default inductor)
+    --rtol F --atol F    validation tolerances (default 1e-5 each)
+    --verbose            print every saved tensor and integer op of each stage
 Any other key=value is a Hydra override of the recipe (model.hidden=[32,32], data.batch_size=16).
 
 Exit status: 0 when every stage was captured and validated; 1 when an extraction failed, a
@@ -56,6 +57,7 @@ On a 2-core machine TORCHINDUCTOR_COMPILE_THREADS=1 makes cold compiles faster (
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -80,7 +82,7 @@ __all__ = ["main", "run", "parse_args", "GraphsOptions", "StageReport", "STAGES"
 PROG = "intqat-graphs"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_OUT_ROOT = Path("outputs") / "graphs"
-_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+_OWN_KEYS = ("checkpoint", "out", "trials", "stages", "layers", "calib_batches", "backend", "rtol", "atol", "verbose")
 
 
 # -- command line ------------------------------------------------------------------------------------
@@ -88,67 +90,80 @@ class UsageError(Exception):
     """A wrong command line: reported on stderr, exit status 2."""
 
 
-def _parse_value(key: str, value: str, convert: Callable[[str], Any], what: str) -> Any:
-    try:
-        return convert(value)
-    except (ValueError, KeyError):
-        raise UsageError(f"{key}={value!r}: expected {what}") from None
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse exits; intqat-graphs reports and returns 2
+        raise UsageError(message)
 
 
-def _parse_stages(value: str) -> tuple[str, ...]:
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise ValueError
+    return n
+
+
+def _stages(value: str) -> tuple[str, ...]:
     stages = tuple(s.strip() for s in value.split(",") if s.strip())
-    bad = [s for s in stages if s not in STAGES]
-    if bad or not stages:
+    if not stages or any(s not in STAGES for s in stages):
         raise ValueError
     return tuple(s for s in STAGES if s in stages)  # always in pipeline order
 
 
+_count.__name__ = "an integer >= 0"  # (argparse names the converter in its message)
+_stages.__name__ = f"a comma-separated subset of {','.join(STAGES)}"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, add_help=False)
+    p.add_argument("--checkpoint", type=Path)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--trials", type=_count, default=10)
+    p.add_argument("--stages", type=_stages, default=STAGES)
+    p.add_argument("--no-layers", dest="layers", action="store_false")
+    p.add_argument("--calib-batches", type=_count, default=3)
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--rtol", type=float, default=1e-5)
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
 def parse_args(argv: list[str]) -> GraphsOptions:
-    opts = GraphsOptions()
-    seen: set[str] = set()
-    for arg in argv:
-        if "=" not in arg:
-            if arg.startswith("-"):
-                raise UsageError(f"unknown option {arg!r} (arguments are key=value; see --help)")
+    """--flags for intqat-graphs' own options; recipe=NAME and Hydra key=value overrides; a bare *.ckpt is the
+    checkpoint, a bare name or .yaml the recipe."""
+    ns, rest = _parser().parse_known_args(argv)
+    opts = GraphsOptions(checkpoint=ns.checkpoint and ns.checkpoint.expanduser(), out=ns.out and ns.out.expanduser(),
+                         trials=ns.trials, stages=ns.stages, layers=ns.layers, calib_batches=ns.calib_batches,
+                         backend=ns.backend, rtol=ns.rtol, atol=ns.atol, verbose=ns.verbose)
+    recipes = []
+    for arg in rest:
+        if arg.startswith("-"):
+            raise UsageError(f"unknown option {arg!r} (see --help)")
+        key, eq, value = arg.partition("=")
+        if not eq:
             if arg.endswith(".ckpt") or (Path(arg).is_file() and not arg.endswith((".yaml", ".yml"))):
-                key, value = "checkpoint", arg
+                if opts.checkpoint is not None:
+                    raise UsageError("a checkpoint given twice; give it once")
+                opts.checkpoint = Path(arg).expanduser()
             else:
-                key, value = "recipe", arg
+                recipes.append(arg)
+        elif key == "recipe":
+            recipes.append(value)
+        elif key in _OWN_KEYS:
+            flag = "--no-layers" if key == "layers" else f"--{key.replace('_', '-')}"
+            raise UsageError(f"{arg!r}: intqat-graphs takes its own options as flags ({flag} ...); key=value arguments "
+                             "are the recipe and its Hydra overrides")
         else:
-            key, value = arg.split("=", 1)
-        own = key in ("recipe", "checkpoint", "out", "trials", "stages", "layers", "calib_batches", "backend",
-                      "rtol", "atol", "verbose")
-        if not own:
             opts.overrides.append(arg)
-            continue
-        if key in seen:
-            raise UsageError(f"{key}= given twice; give it once")
-        seen.add(key)
-        if key == "recipe":
-            opts.recipe = value
-        elif key == "checkpoint":
-            opts.checkpoint = Path(value).expanduser()
-        elif key == "out":
-            opts.out = Path(value).expanduser()
-        elif key in ("trials", "calib_batches"):
-            n = _parse_value(key, value, int, "an integer >= 0")
-            if n < 0:
-                raise UsageError(f"{key}={value}: expected an integer >= 0")
-            setattr(opts, key, n)
-        elif key == "stages":
-            opts.stages = _parse_value(key, value, _parse_stages, f"a comma-separated subset of {','.join(STAGES)}")
-        elif key in ("layers", "verbose"):
-            setattr(opts, key, _parse_value(key, value, lambda v: _BOOLS[v.lower()], "true or false"))
-        elif key in ("rtol", "atol"):
-            setattr(opts, key, _parse_value(key, value, float, "a number"))
-        elif key == "backend":
-            opts.backend = value
+    if len(recipes) > 1:
+        raise UsageError(f"recipe given {len(recipes)} times ({', '.join(recipes)}); give it once")
+    opts.recipe = recipes[0] if recipes else None
     return opts
 
 
 def _help() -> str:
     recipes = ", ".join(available_recipes())
-    return __doc__.replace("intqat-graphs: ", f"usage: {PROG} [key=value ...]\n\n", 1) + f"\nRecipes: {recipes}\n"
+    return __doc__.replace("intqat-graphs: ", f"usage: {PROG} [recipe=NAME] [--flags] [key=value ...]\n\n", 1) + f"\nRecipes: {recipes}\n"
 
 
 # -- the recipe ---------------------------------------------------------------------------------------------
