@@ -37,7 +37,8 @@ from intqat.checkpoint import (
 )
 from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
-from intqat.nn import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES, ActivationQuantizer, FakeQuantMultiheadAttention
+from intqat.nn import ActivationQuantizer, FakeQuantMultiheadAttention
+from intqat.registry import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
 
 __all__ = ["IntQAT", "NonFiniteError", "restore_quant_structure", "save_quant_structure", "CHECKPOINT_KEY"]

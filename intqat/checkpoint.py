@@ -51,7 +51,8 @@ _SAVING = "lightning.pytorch.core.saving"
 
 def _quant_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     """(fake-quant, integer) module types a checkpoint records: the layers and the attention modules."""
-    from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES, FakeQuantMultiheadAttention, IntMultiheadAttention
+    from intqat.nn import FakeQuantMultiheadAttention, IntMultiheadAttention
+    from intqat.registry import FAKE_QUANT_TYPES, INTEGER_TYPES
 
     return FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,), INTEGER_TYPES + (IntMultiheadAttention,)
 

@@ -14,28 +14,13 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from intqat import interop, registry
 from intqat.config import QuantConfig, resolve_config
-from intqat.fold import ConvBnPairs, find_conv_bn_pairs
-from intqat.nn import (
-    ATTENTION_TYPES,
-    DEPLOYED_TYPES,
-    FAKE_QUANT_TYPES,
-    INTEGER_TYPES,
-    ActivationQuantizer,
-    FakeQuantConv2d,
-    FakeQuantEmbedding,
-    FakeQuantGroupedLinear,
-    FakeQuantLinear,
-    FakeQuantMultiheadAttention,
-    GroupedIntLinear,
-    IntConv2d,
-    IntEmbedding,
-    IntLinear,
-    IntMultiheadAttention,
-)
-from intqat.nn.conv import _QuantConvBase, conv_padding
-from intqat.nn.linear import is_hf_conv1d
+from intqat.fold import find_conv_bn_pairs
+from intqat.nn import ActivationQuantizer, IntLinear
+from intqat.nn.conv import _QuantConvBase
 from intqat.nn.quantizers import name_quantizers
+from intqat.registry import QUANT_TYPES, PrepareContext, Refused, register_converter
 
 __all__ = [
     "prepare_qat",
@@ -52,16 +37,7 @@ __all__ = [
 ]
 
 FilterFn = Callable[[nn.Module, str], bool]
-QUANT_TYPES = FAKE_QUANT_TYPES + INTEGER_TYPES + DEPLOYED_TYPES + ATTENTION_TYPES
-
-# Converters for fake-quant modules of other libraries: (predicate, fn(module) -> IntLinear/IntConv2d).
-# intqat.interop registers torchao's and torch.ao's when it is imported.
-_CONVERTERS: list[tuple[Callable[[nn.Module], bool], Callable[[nn.Module], nn.Module]]] = []
-
-
-def register_converter(predicate: Callable[[nn.Module], bool], convert: Callable[[nn.Module], nn.Module]) -> None:
-    """Teach `to_integer` another library's fake-quant module."""
-    _CONVERTERS.append((predicate, convert))
+interop.register()  # torchao's and torch.ao's fake-quant modules convert too (intqat.registry.FOREIGN)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -81,8 +57,6 @@ def prepare_qat(
     attention left float is named, with the reason, in one warning. torch's fused TransformerEncoderLayer
     fast path (which reads the float weights) is turned off where a layer was quantized.
     """
-    from intqat import interop  # noqa: F401  (other libraries' QAT modules count as prepared)
-
     cfg = resolve_config(config)
     reasons: dict[str, str] = {}
     _prepare_model(model, cfg, filter_fn, reasons)
@@ -98,7 +72,7 @@ def _listing(float_layers: dict[str, str]) -> str:
 
 
 def _prepare_model(model: nn.Module, cfg: QuantConfig, filter_fn, reasons: dict[str, str]) -> None:
-    leaves = QUANT_TYPES + tuple(_converter_types(model))
+    leaves = QUANT_TYPES + tuple({type(m) for m in model.modules() if registry.is_foreign_fake_quant(m)})
     found = find_conv_bn_pairs(model, leaves)
     names = {id(m): n for n, m in model.named_modules()}
     for fqn, err in found.untraced.items():
@@ -106,93 +80,34 @@ def _prepare_model(model: nn.Module, cfg: QuantConfig, filter_fn, reasons: dict[
             if type(child) is nn.BatchNorm2d:
                 reasons.setdefault(names.get(id(child), child_name),
                                    f"BatchNorm2d not folded: torch.fx could not trace {fqn} to see what feeds it ({err})")
-    _prepare(model, "", cfg, filter_fn, reasons, found)
+    _prepare(model, "", cfg, filter_fn, reasons, PrepareContext(found.pairs))
     disable_float_fast_paths(model)
 
 
-def _converter_types(model: nn.Module) -> set[type]:
-    return {type(m) for m in model.modules() if any(p(m) for p, _ in _CONVERTERS)}
-
-
 def _prepare(parent: nn.Module, prefix: str, cfg: QuantConfig, filter_fn, reasons: dict[str, str],
-             found: ConvBnPairs) -> None:
+             ctx: PrepareContext) -> None:
     for name in list(parent._modules):
         child = parent._modules[name]
         if child is None:
             continue
         fqn = _join(prefix, name)
-        if isinstance(child, QUANT_TYPES) or any(pred(child) for pred, _ in _CONVERTERS):
+        if registry.is_quantized(child):
             continue  # already quantized (by intqat or another library): preparing twice is a no-op
-        wanted = filter_fn is None or filter_fn(child, fqn)
-        if not wanted:
+        if filter_fn is not None and not filter_fn(child, fqn):
             reasons[fqn] = "filter_fn returned False"
-            if not _is_layer(child):
-                _prepare(child, fqn, cfg, filter_fn, reasons, found)
+            if not registry.is_float_layer(child):
+                _prepare(child, fqn, cfg, filter_fn, reasons, ctx)
             continue
-        grouped = cfg.weight.granularity == "group"
-        if grouped and type(child) in (nn.MultiheadAttention, nn.Conv2d):
-            # (their integer modules hold one scale per output channel: a per-group config must not quietly
-            # become another scheme)
-            reasons[fqn] = (f"nn.{type(child).__name__}: per-group weights (group_size {cfg.weight.group_size}) are "
-                            "implemented for nn.Linear and transformers' Conv1D; prepare it with a per-channel config "
-                            "(e.g. a second prepare_qat with filter_fn)")
-            continue
-        if type(child) is nn.MultiheadAttention:
-            parent._modules[name] = FakeQuantMultiheadAttention.from_mha(child, cfg)
-        elif grouped and (type(child) is nn.Linear or is_hf_conv1d(child)):  # per-group weights: grouped_linear.py
-            in_features = child.weight.shape[0 if is_hf_conv1d(child) else 1]
-            if in_features % cfg.weight.group_size:
-                reasons[fqn] = f"in_features {in_features} is not a multiple of group_size {cfg.weight.group_size}"
-                continue
-            parent._modules[name] = FakeQuantGroupedLinear.from_linear(child, cfg)
-        elif type(child) is nn.Linear or is_hf_conv1d(child):
-            parent._modules[name] = FakeQuantLinear.from_linear(child, cfg)
-        elif type(child) is nn.Embedding and cfg.embedding is not None:
+        kind = registry.kind_for_float(child, cfg)
+        if kind is not None:
             try:
-                parent._modules[name] = FakeQuantEmbedding.from_embedding(child, cfg)
-            except ValueError as e:
+                registry.replace(parent, name, kind.prepare(child, cfg, ctx))
+            except Refused as e:
                 reasons[fqn] = str(e)
-        elif type(child) is nn.Conv2d:
-            if conv_padding(child) is None:
-                reasons[fqn] = f"padding {child.padding!r}, mode {child.padding_mode!r}: no symmetric zero padding"
-                continue
-            bn = None
-            if id(child) in found.pairs:
-                bn_parent, bn_name, bn = found.pairs[id(child)]
-                bn_parent._modules[bn_name] = nn.Identity()  # folded into the conv below
-            parent._modules[name] = FakeQuantConv2d.from_conv(child, cfg, bn)
         elif isinstance(child, (nn.Linear, nn.Conv2d, nn.MultiheadAttention)):
-            reasons[fqn] = _subclass_reason(child)
+            reasons[fqn] = registry.subclass_reason(child)
         else:
-            _prepare(child, fqn, cfg, filter_fn, reasons, found)
-
-
-# Float modules the census names, with the reason when nothing more specific was recorded.
-_CONVS = (nn.Conv1d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-_BNS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def _is_layer(m: nn.Module) -> bool:
-    return isinstance(m, (nn.Linear, nn.Conv2d, nn.MultiheadAttention) + _CONVS + _BNS) or is_hf_conv1d(m)
-
-
-def _subclass_reason(m: nn.Module) -> str:
-    base = next(b for b in (nn.Linear, nn.Conv2d, nn.MultiheadAttention) if isinstance(m, b))
-    return f"{type(m).__name__}: a subclass of nn.{base.__name__} whose forward intqat cannot vouch for"
-
-
-def _default_reason(m: nn.Module) -> str:
-    if isinstance(m, _CONVS):
-        return f"{type(m).__name__}: intqat has integer modules for Conv2d only"
-    if type(m) is nn.BatchNorm2d:
-        return "BatchNorm2d not folded: no Conv2d's output feeds it alone (or its conv stays float)"
-    if isinstance(m, _BNS):
-        return f"{type(m).__name__}: only a BatchNorm2d after a Conv2d folds"
-    if type(m) not in (nn.Linear, nn.Conv2d, nn.MultiheadAttention) and not is_hf_conv1d(m):
-        return _subclass_reason(m)
-    kind = f"nn.{type(m).__name__}" if type(m).__module__.startswith("torch.nn") else type(m).__name__
-    return f"{kind}: left float when the model was prepared (a filter_fn, another library's prepare, or added since)"
-    return type(m).__name__
+            _prepare(child, fqn, cfg, filter_fn, reasons, ctx)
 
 
 def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dict[str, str]:
@@ -205,18 +120,15 @@ def float_census(model: nn.Module, reasons: dict[str, str] | None = None) -> dic
     def visit(m: nn.Module, prefix: str) -> None:
         for name, child in m.named_children():
             fqn = _join(prefix, name)
-            if isinstance(child, QUANT_TYPES) or any(p(child) for p, _ in _CONVERTERS):
+            if registry.is_quantized(child):
                 if fqn in reasons:  # a fake-quant module kept by filter_fn, another library's that did not convert
                     out[fqn] = reasons[fqn]
                 continue
-            if isinstance(child, nn.Embedding) and fqn in reasons:  # asked for (config.embedding) and refused
-                out[fqn] = reasons[fqn]
-                continue
-            if _is_layer(child):
-                out[fqn] = reasons.get(fqn) or _default_reason(child)
+            if registry.is_float_layer(child):
+                out[fqn] = reasons.get(fqn) or registry.float_reason(child)
                 if not isinstance(child, nn.MultiheadAttention):
                     continue
-            elif not isinstance(child, (nn.Embedding, nn.EmbeddingBag)):
+            else:
                 out.update(_raw_weight_parameters(child, fqn))
             visit(child, fqn)
 
@@ -287,13 +199,9 @@ def to_integer(
     (batches of inputs), its activation scales are observed from it. Modules that cannot be
     converted stay as they were; one warning names them all.
     """
-    from intqat import interop  # noqa: F401  (registers the other libraries' converters)
-
     # a model that holds any quantized module was prepared already (maybe with a filter_fn that
     # kept some layers float on purpose): only a purely float model is prepared here
-    has_source = any(
-        isinstance(m, QUANT_TYPES) or any(p(m) for p, _ in _CONVERTERS) for m in model.modules()
-    )
+    has_source = any(registry.is_quantized(m) for m in model.modules())
     reasons: dict[str, str] = {}
     if not has_source:
         _prepare_model(model, resolve_config(config or "w8a8"), filter_fn, reasons)
@@ -322,27 +230,20 @@ def _swap_to_integer(parent: nn.Module, prefix: str, filter_fn, reasons: dict[st
         if child is None:
             continue
         fqn = _join(prefix, name)
+        where = registry.stage(child)
+        if where in ("integer", "deployed"):
+            continue
         wanted = filter_fn is None or filter_fn(child, fqn)
-        if isinstance(child, INTEGER_TYPES + DEPLOYED_TYPES + (IntMultiheadAttention,)):
+        if where in ("fake", "foreign"):
+            if not wanted:
+                reasons[fqn] = "still fake-quant: filter_fn returned False" if where == "fake" else "filter_fn returned False"
+                continue
+            try:
+                registry.replace(parent, name, registry.to_integer_module(child))
+            except (ValueError, NotImplementedError) as e:  # a converter that cannot take this one says why
+                reasons[fqn] = str(e)
             continue
-        swap = {FakeQuantLinear: IntLinear, FakeQuantConv2d: IntConv2d, FakeQuantMultiheadAttention: IntMultiheadAttention,
-                FakeQuantGroupedLinear: GroupedIntLinear, FakeQuantEmbedding: IntEmbedding}
-        kind = next((k for k in swap if isinstance(child, k)), None)
-        if kind is not None:
-            if wanted:
-                parent._modules[name] = swap[kind].from_fake_quant(child)
-            else:
-                reasons[fqn] = "still fake-quant: filter_fn returned False"
-            continue
-        converter = next((fn for pred, fn in _CONVERTERS if pred(child)), None)
-        if converter is not None:
-            if wanted:
-                try:
-                    parent._modules[name] = converter(child)
-                except (ValueError, NotImplementedError) as e:
-                    reasons[fqn] = str(e)
-            continue
-        if not wanted and _is_layer(child):
+        if not wanted and registry.is_float_layer(child):
             reasons[fqn] = "filter_fn returned False"
         _swap_to_integer(child, fqn, filter_fn, reasons)
 
@@ -394,8 +295,8 @@ def to_deployed(model: nn.Module, inplace: bool = False) -> nn.Module:
 
 def _swap_deployed(parent: nn.Module) -> None:
     for name, child in list(parent._modules.items()):
-        if isinstance(child, INTEGER_TYPES + (IntMultiheadAttention,)):
-            parent._modules[name] = child.to_deployed()
+        if child is not None and registry.stage(child) == "integer":
+            registry.replace(parent, name, child.to_deployed())
         elif child is not None:
             _swap_deployed(child)
 

@@ -266,16 +266,27 @@ def validate(
     eager: nn.Module | None = None,
 ) -> dict[str, Any]:
     """Error of `program` against `reference` over `batches`; top-1 accuracy of both when labels
-    are known (the `labels` argument, aligned with the batches concatenated, or per batch)."""
+    are known (the `labels` argument, aligned with the batches concatenated, or per batch).
+
+    With `eager` (the deployed integer model): whether `reference` equals it (reference_equals_integer_model,
+    its backends as the table picks them), and whether it equals the definition (integer_program_exact: the
+    eager model on the reference backend, whose integer GEMMs are exact int64 sums sharing no kernel with
+    aten._int_mm). The program runs aten._int_mm of this process's torch: where that is wrong
+    (int_mm_self_check says why, e.g. ONEDNN_MAX_CPU_ISA=AVX2), the program is not exact here."""
+    from intqat.ops import backends, check_int_mm
+
     run, run_ref = program.module(), reference.module()
     max_err, abs_sum, n_elems, ref_amax, samples, n_batches = 0.0, 0.0, 0, 0.0, 0, 0
-    eager_exact = True
+    eager_exact = definition_exact = True
     preds, preds_ref, batch_labels = [], [], []
     for i, item in enumerate(batches):
         args, y = _split_item(item, n_args, i)
         out, ref = run(*args), run_ref(*args)
         if eager is not None:
             eager_exact &= all(torch.equal(a, b) for a, b in zip(_float_leaves(eager(*args)), _float_leaves(ref)))
+            with backends.use_backend("reference"):
+                definition = eager(*args)
+            definition_exact &= all(torch.equal(a, b) for a, b in zip(_float_leaves(definition), _float_leaves(ref)))
         for o, r in zip(_float_leaves(out), _float_leaves(ref)):
             diff = (o.to(torch.float64) - r.to(torch.float64)).abs()
             if diff.numel():
@@ -304,6 +315,13 @@ def validate(
     }
     if eager is not None:
         result["reference_equals_integer_model"] = eager_exact
+        result["integer_program_exact"] = definition_exact
+        result["int_mm_self_check"] = check_int_mm() or "exact"
+        if not definition_exact:
+            warnings.warn(
+                "intqat export: the exported integer program, run by this torch, differs from the integer model's "
+                f"exact sums (aten._int_mm here: {result['int_mm_self_check']}). The program is what it should be; "
+                "the torch that runs it must pass intqat.ops.check_int_mm().", RuntimeWarning, stacklevel=3)
     if labels is None and batch_labels:
         labels = torch.cat(batch_labels)
     if labels is not None:
@@ -402,8 +420,14 @@ class ExportResult:
                   f"Against {v['reference']}, on {v['samples']} samples ({v['batches']} batches).", "",
                   "| figure | value |", "|---|---|"]
         keys = ("max_abs_error", "mean_abs_error", "reference_max_abs", "top1_agreement", "accuracy",
-                "accuracy_reference", "accuracy_delta_points", "reference_equals_integer_model")
+                "accuracy_reference", "accuracy_delta_points", "reference_equals_integer_model", "integer_program_exact",
+                "int_mm_self_check")
         lines += [f"| {k} | {_fmt(v[k])} |" for k in keys if k in v]
+        if v.get("integer_program_exact") is False:
+            lines += ["", "**The integer program is not exact on this machine**: run here, it differs from the definition "
+                      "(the integer model's exact int64 sums). aten._int_mm of this torch: "
+                      f"{v.get('int_mm_self_check')}. Check the torch that will run model.pt2 with "
+                      "intqat.ops.check_int_mm() (docs/backends.md)."]
         counts = ", ".join(f"{n} {p}" for p, n in sorted(self.report.counts().items()))
         lines += ["", "## Program", "",
                   f"- low precision type: {self.report.low_precision_type}; nodes: {counts}",
@@ -508,7 +532,8 @@ def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs
 def _integer_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     """A deployed copy of model: fake-quant modules become integer, integer ones deployed."""
     import intqat
-    from intqat.nn import DEPLOYED_TYPES, FAKE_QUANT_TYPES, DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
+    from intqat.nn import DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
+    from intqat.registry import DEPLOYED_TYPES, FAKE_QUANT_TYPES
 
     work = copy.deepcopy(model)
     n_fake = sum(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules())

@@ -1,5 +1,5 @@
-"""Converters from other libraries' fake-quant modules to intqat's integer modules, registered
-with `intqat.register_converter` when this module is imported (`to_integer` imports it):
+"""Converters from other libraries' fake-quant modules to intqat's integer modules, registered in
+intqat.registry (FOREIGN) by `register()`, which intqat.convert calls when it is imported:
 
     torchao   FakeQuantizedLinear (quantize_(m, QATConfig(..., step="prepare")))  -> IntLinear
     torch.ao  eager QAT (prepare_qat): qat.Linear -> IntLinear, qat.Conv2d -> IntConv2d, ConvBn2d ->
@@ -26,12 +26,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from intqat.config import QuantSpec
-from intqat.convert import register_converter
+from intqat import registry
 from intqat.nn import ActivationQuantizer, IntConv2d, IntLinear, WeightQuantizer
 from intqat.ops.qparams import SCALE_EPS
 from intqat.ops.quant import check_qrange
 
-__all__ = ["attach_torch_ao_input_qparams", "from_torchao_linear", "from_torch_ao_qat", "TorchRangeWeightQuantizer"]
+__all__ = ["attach_torch_ao_input_qparams", "from_torchao_linear", "from_torch_ao_qat", "TorchRangeWeightQuantizer", "register"]
 
 
 def _loaded(module: str, *names: str) -> tuple[type, ...]:
@@ -339,7 +339,18 @@ def attach_torch_ao_input_qparams(model: nn.Module, example_inputs) -> dict[str,
     return {names[id(la)]: names.get(id(fq), type(fq).__name__) for la, fq in flow.inputs.items()}
 
 
-if importlib.util.find_spec("torchao") is not None:
-    register_converter(lambda m: isinstance(m, _loaded("torchao.quantization.qat.linear", "FakeQuantizedLinear")),
-                       from_torchao_linear)
-register_converter(lambda m: isinstance(m, _torch_ao_bases()), from_torch_ao_qat)
+def _is_torchao_fake_quant(m: nn.Module) -> bool:
+    return isinstance(m, _loaded("torchao.quantization.qat.linear", "FakeQuantizedLinear"))
+
+
+def _is_torch_ao_qat(m: nn.Module) -> bool:
+    return isinstance(m, _torch_ao_bases())
+
+
+def register() -> None:
+    """Put torchao's and torch.ao's converters in intqat.registry.FOREIGN (once)."""
+    known = {f.convert for f in registry.FOREIGN}
+    if importlib.util.find_spec("torchao") is not None and from_torchao_linear not in known:
+        registry.register_converter(_is_torchao_fake_quant, from_torchao_linear, "torchao FakeQuantizedLinear")
+    if from_torch_ao_qat not in known:
+        registry.register_converter(_is_torch_ao_qat, from_torch_ao_qat, "torch.ao eager QAT")

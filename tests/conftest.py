@@ -49,6 +49,12 @@ def pytest_terminal_summary(terminalreporter):
     for name, needs, reason in backends.summary():
         status = "runs here" if reason is None else f"NOT RUN here: {reason}"
         terminalreporter.write_line(f"  {name:<11} {status}  (needs: {needs})")
+    from intqat.ops.backends import self_check
+
+    terminalreporter.write_line("  self-check of the library GEMMs backends rely on (intqat/ops/backends/self_check.py):")
+    for gemm, reason, _ in self_check.verdicts():
+        status = "exact on its worst cases" if reason is None else f"REFUSED: {reason}"
+        terminalreporter.write_line(f"    {gemm.name:<14} {status}  (used by {gemm.users})")
     from intqat.ops import cpp_step
 
     reason = cpp_step.unavailable_reason()

@@ -65,7 +65,7 @@ def test_tiny_8da4w_run_reports_ptq_qat_and_exports(tmp_path):
         assert res[key]["tokens"] == 4 * 16 and res[key]["ppl"] > 1
     assert res["fork_at_step"] == 3 and res["steps"] == 6
     assert isinstance(module.model.blocks[0].fc, intqat.nn.GroupedIntLinear)
-    assert not any(isinstance(m, intqat.nn.INTEGER_TYPES) for m in report.twin.modules())  # the twin stayed fp32
+    assert not any(isinstance(m, intqat.registry.INTEGER_TYPES) for m in report.twin.modules())  # the twin stayed fp32
     assert not torch.equal(report.twin.blocks[0].fc.weight, report._fork_model.blocks[0].fc.weight)  # and trained
     e = res["export"]
     assert e["loads_without_intqat"] is True and abs(e["ppl_rel_diff"]) < 0.01

@@ -295,12 +295,8 @@ EXPORT_CONV = [("all", "w8a8"), ("same-dilation2", "w8a8_dynamic"), ("depthwise-
                ("no-bias-rect", "w8a8_lsq"), ("valid", "per_tensor_w")]
 
 
-# BUG (lead): fails until fixed. intqat/nn/conv.py:145 runs the eval forward through
-# `self.to_deployed(...)`, whose DeployedIntConv2d.__init__ (intqat/nn/conv.py:175,
-# `self.pad_value = int(x_zero_point.reshape(-1)[0])`) calls .item() on a traced buffer:
-# torch.export raises GuardOnDataDependentSymNode. Suggested fix: in IntConv2d's eval branch call
-# conv_codes_forward directly with pad_value=None (the z_x tensor path of _pad_codes_nhwc), or build
-# the DeployedIntConv2d with pad_value=None when torch.compiler.is_exporting().
+# Regression: IntConv2d's eval forward under torch.export once built a DeployedIntConv2d whose padding
+# value came from .item() on a traced buffer (GuardOnDataDependentSymNode).
 @pytest.mark.parametrize("case, cfg", EXPORT_CONV)
 def test_int_conv2d_export_roundtrip_equal(case, cfg, tmp_path):
     model = int_conv_module(CONFIGS[cfg], case).eval()
@@ -403,13 +399,8 @@ def test_int_linear_grads_equal_fake_quant(cfg, bias):
     assert_same_grads(fq_model, int_model, act_input(3, 11, 40, scale=1.5), cfg in ("w8a8_lsq", "per_tensor_w_lsq"))
 
 
-# BUG (lead), the "w8a8_dynamic" cases fail until fixed: with dynamic activations
-# FakeQuantConv2d fake-quantizes its (B, C, H, W) input with one scale per row of the LAST dim
-# (ActivationQuantizer.fake_quant, intqat/nn/quantizers.py:116-122, `x.reshape(-1, x.shape[-1])`: per (b, c, h) row of width W),
-# while IntConv2d / int_conv2d / DeployedIntConv2d use one symmetric scale for the whole tensor
-# (intqat/ops/int_conv2d.py:77-80). The weight gradient (gᵀ x_hat) and the forward then differ.
-# Suggested fix: ActivationQuantizer.fake_quant takes the layout from the module; for convs
-# (FakeQuantConv2d.forward) fake-quantize with s = clamp(max|x| / qmax, eps), z = 0, per tensor.
+# Regression: with dynamic activations FakeQuantConv2d once fake-quantized per row of the last dim while the
+# integer conv uses one symmetric scale per tensor: forward and weight gradient differed.
 @pytest.mark.parametrize("case", ["all", "depthwise-x2", "no-bias-rect", "same-dilation2"])
 @pytest.mark.parametrize("cfg", list(CONFIGS) + ["per_tensor_w_lsq"])
 def test_int_conv2d_grads_equal_fake_quant(cfg, case):
@@ -431,15 +422,8 @@ def _lsq_factor(n, qmax):
     return 1.0 / math.sqrt(n * qmax)
 
 
-# BUG (lead), the "tensor" case fails until fixed: a learned PER-TENSOR weight scale gets LSQ's
-# gradient scale for one ROW, gscale = 1/sqrt(K * qmax), instead of 1/sqrt(N * K * qmax) for the
-# elements that share it (NUMERICS.md "Learned scales"): its gradient is sqrt(N) times too large.
-# WeightQuantizer.channel_scale (intqat/nn/quantizers.py:170-173) expands the (1,) scale to (N,)
-# and fake_quant passes axis=0 (intqat/nn/fake_quantize.py:49 then uses n = numel / N); the integer
-# ops do the same (intqat/ops/int_linear.py:215 and :230 `q_w.shape[1]`, intqat/ops/int_conv2d.py:175
-# `q_w[0].numel()`). Suggested fix: per-tensor weights use fake_quantize_ste(..., axis=None) with
-# the (1,) scale, and the ops take the number of elements per scale (or scale gf by
-# 1/sqrt(N) when w_scale is an expanded per-tensor scale).
+# Regression: a learned per-tensor weight scale once got LSQ's gradient scale for one row (1/sqrt(K qmax))
+# instead of all the elements that share it (1/sqrt(N K qmax), NUMERICS.md "Learned scales").
 @pytest.mark.parametrize("granularity", ["channel", "tensor"])
 def test_fake_quant_linear_lsq_grads_equal_torch_learnable_kernels(granularity):
     cfg = QuantConfig(weight=QuantSpec(granularity=granularity, learnable=True),
@@ -733,12 +717,8 @@ def test_prepare_qat_leaves_mha_with_one_warning():
     assert model.eval()(torch.randn(2, 5, 8)).shape == (2, 5, 8)
 
 
-# BUG (lead): fails until fixed. to_integer on a float model prepares it first
-# (intqat/convert.py:133), so prepare_qat warns about the MultiheadAttention, and then
-# _swap_to_integer (intqat/convert.py:167-168) warns about it again: two warnings for one call.
-# Suggested fix: when to_integer prepared the model itself, suppress prepare_qat's warning
-# (e.g. call _prepare with the same `skipped` list and warn once at the end), or do not list
-# MultiheadAttention in _swap_to_integer when nothing inside it was quantized.
+# Regression: to_integer on a float model (which prepares it first) once warned twice about one
+# MultiheadAttention; one call, one warning.
 def test_to_integer_on_float_model_warns_once_about_mha():
     model = WithMHA()
     with warnings.catch_warnings(record=True) as record:
@@ -873,18 +853,9 @@ def test_to_deployed_holds_int8_weights_only(cfg):
     assert _nbytes(deployed.state_dict()) < 0.35 * float_bytes
 
 
-# BUG (lead), the conv cases with a static zero point fail until fixed: DeployedIntConv2d caches
-# the zero point as a Python int, `self.pad_value` (intqat/nn/conv.py:175), used to pad the codes;
-# load_state_dict replaces the x_zero_point buffer but not pad_value, so the loaded model pads
-# with the old model's zero point and its border outputs are wrong. Suggested fix: drop the cache
-# (pad_value=None: the z tensor path of _pad_codes_nhwc), or refresh it in _load_from_state_dict.
-# BUG (lead), in addition the "per_tensor_w" conv case: IntConv2d.to_deployed
-# (intqat/nn/conv.py:154, `w_scale.detach().reshape(-1).to(torch.float32)`) registers the expanded
-# per-tensor weight scale (stride 0, one element of storage) as the `w_scale` buffer, so
-# load_state_dict into a deployed model raises "more than one element of the written-to tensor
-# refers to a single memory location" (torch.export.save also warns about it). Suggested fix:
-# `.contiguous()` (or `.clone(memory_format=torch.contiguous_format)`) there, as the linear path's
-# `.clone()` already yields a dense tensor.
+# Regressions: DeployedIntConv2d once cached its zero point as a Python int for padding, which
+# load_state_dict did not refresh (wrong border outputs); and a per-tensor weight scale was registered as
+# an expanded (stride-0) buffer that load_state_dict refused.
 @pytest.mark.parametrize("cfg", ["w8a8", "per_tensor_w", "w8a8_dynamic"])
 @pytest.mark.parametrize("layer", ["linear", "conv"])
 def test_deployed_state_dict_round_trip(layer, cfg, tmp_path):
@@ -947,25 +918,16 @@ def test_dynamic_and_learned_quantizers_need_no_observation(cfg):
     assert torch.isfinite(model(torch.randn(3, 8))).all()
 
 
-# BUG (lead): fails until fixed. intqat/nn/linear.py:102-118 (IntLinear.to_deployed) and
-# intqat/nn/conv.py:148-160 (IntConv2d.to_deployed) freeze an un-observed static quantizer's
-# placeholder scale 1.0 / zero point 0 without complaint, so `to_deployed` + torch.export ships a
-# model that the integer model itself refuses to run in eval. Suggested fix: call
-# `self.input_quantizer._check_ready()` at the top of both to_deployed methods.
+# Regression: to_deployed once froze an unobserved static quantizer's placeholder scale 1.0 / zero point 0
+# without complaint, shipping a model the integer model itself refuses to run.
 def test_to_deployed_refuses_unobserved_static_quantizer():
     model = intqat.to_integer(nn.Sequential(nn.Linear(8, 4)), config="w8a8")
     with pytest.raises(RuntimeError, match=NO_SCALE):
         intqat.to_deployed(model)
 
 
-# BUG (lead): fails until fixed. In eval mode with grad enabled, IntLinear / IntConv2d return an
-# output with no grad_fn (intqat/nn/linear.py:85 and intqat/nn/conv.py:142 take the aten path,
-# which detaches weight / bias and quantizes without autograd), while FakeQuantLinear / nn.Linear
-# in eval are differentiable: after to_integer, a model trained in eval mode (the usual way to
-# freeze BN / dropout) or used for input gradients silently gets no gradient through these
-# layers. Suggested fix: take the differentiable op whenever autograd needs it and no export is
-# tracing: `if torch.is_grad_enabled() and not torch.compiler.is_exporting() and (self.training
-# or x.requires_grad or any(p.requires_grad for p in self.parameters()))` (forward bits are the same).
+# Regression: in eval mode with grad enabled IntLinear / IntConv2d once returned an output with no grad_fn
+# (FakeQuantLinear and nn.Linear are differentiable in eval): input gradients silently vanished.
 @pytest.mark.parametrize("layer", ["linear", "conv"])
 def test_integer_modules_differentiable_in_eval_mode(layer):
     model = int_linear_module("w8a8") if layer == "linear" else int_conv_module("w8a8", "all")

@@ -120,6 +120,8 @@ def machine_info() -> dict:
         "int8_8x_fp32": int8_gemm_outpaces_fp32_8x(),
         "backend_forced": backends.forced(),
         "backends_unavailable": {n: r for n, _, r in backends.summary() if r is not None},
+        # library GEMMs the self-check refused (backends.self_check): their backends' GEMMs ran elsewhere
+        "gemms_refused": {g.name: r for g, r, _ in backends.self_check.verdicts() if r is not None},
     }
 
 
@@ -143,6 +145,9 @@ def machine_lines(info: dict | None = None) -> list[str]:
                      + (f"FORCED to {forced} (INTQAT_BACKEND) where it implements a primitive"
                         if forced else "chosen per call by the table (column 'backends': what ran)")
                      + f"; cannot run here: {off}")
+        for gemm, reason in info.get("gemms_refused", {}).items():
+            lines.append(f"SELF-CHECK REFUSED {gemm}: {reason}. The backends that call it took none of these rows' "
+                         "GEMMs: the next backend ran them (column 'backends').")
         if info.get("int8_8x_fp32"):
             lines.append("backward digit GEMMs: the int8 ~8x fp32 rule (AMD Zen 5 with AVX-512 VNNI: both backward "
                          "GEMMs from 2^21 multiply-adds; intqat.ops.digit_gemm.digits_pay)")

@@ -8,19 +8,13 @@ from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.nn.grouped_linear import DeployedGroupedIntLinear, FakeQuantGroupedLinear, GroupedIntLinear  # noqa: E402
 from intqat.nn.embedding import DeployedIntEmbedding, FakeQuantEmbedding, IntEmbedding  # noqa: E402
 
-FAKE_QUANT_TYPES = (FakeQuantLinear, FakeQuantConv2d, FakeQuantGroupedLinear, FakeQuantEmbedding)
-INTEGER_TYPES = (IntLinear, IntConv2d, GroupedIntLinear, IntEmbedding)
-DEPLOYED_TYPES = (DeployedIntLinear, DeployedIntConv2d, DeployedGroupedIntLinear, DeployedIntEmbedding)
-# Kept apart from the layer types above: those hold one weight each (the callback's per-layer metrics
-# read them); an attention module holds several projections.
-ATTENTION_TYPES = (FakeQuantMultiheadAttention, IntMultiheadAttention, DeployedIntMultiheadAttention)
+# Which float layer becomes which of these, and the type groups (FAKE_QUANT_TYPES, ...): intqat.registry.
 
 __all__ = [
     "FakeQuantLinear", "IntLinear", "DeployedIntLinear",
     "FakeQuantConv2d", "IntConv2d", "DeployedIntConv2d",
-    "FakeQuantMultiheadAttention", "IntMultiheadAttention", "DeployedIntMultiheadAttention", "ATTENTION_TYPES",
+    "FakeQuantMultiheadAttention", "IntMultiheadAttention", "DeployedIntMultiheadAttention",
     "FakeQuantGroupedLinear", "GroupedIntLinear", "DeployedGroupedIntLinear",
     "FakeQuantEmbedding", "IntEmbedding", "DeployedIntEmbedding",
     "ActivationQuantizer", "WeightQuantizer", "fake_quantize_ste",
-    "FAKE_QUANT_TYPES", "INTEGER_TYPES", "DEPLOYED_TYPES",
 ]

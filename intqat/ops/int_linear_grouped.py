@@ -124,18 +124,22 @@ def dequantize_weight_grouped(q_w: Tensor, s_w: Tensor) -> Tensor:
 def group_sums(q_x: Tensor, q_w: Tensor, G: int, z_x: Tensor | None) -> Tensor:
     """acc (G, M, N) fp32 holding the exact int32 group sums of (q_x - z_x) * q_w.
 
-    One batched fp32 GEMM of the codes: every partial sum is an integer of magnitude <= gs * 2^14
-    <= 2^24, so any summation order gives the exact value. The zero-point correction
-    z_x * colsum_g(q_w) is applied in int32 (the difference may exceed 2^24).
+    Traced (what exported programs hold): one batched fp32 GEMM of the codes: every partial sum is an
+    integer of magnitude <= gs * 2^14 <= 2^24, so any summation order gives the exact value. Eager on the
+    CPU (the definition the kernels are tested against): one batched int64 GEMM, aten's own integer loop,
+    sharing no kernel with them (NUMERICS.md, "The definition does not lean on the kernels it checks").
+    The same integers either way. The zero-point correction z_x * colsum_g(q_w) is applied in int32 (the
+    difference may exceed 2^24).
     """
     M, K = q_x.shape
     N = q_w.shape[0]
     gs = K // G
-    xg = q_x.to(torch.float32).reshape(M, G, gs).transpose(0, 1)  # (G, M, gs)
-    wg = q_w.to(torch.float32).reshape(N, G, gs).permute(1, 2, 0)  # (G, gs, N)
+    exact = torch.int64 if q_x.is_cpu and not backends.tracing(q_x, q_w, z_x) else torch.float32
+    xg = q_x.to(exact).reshape(M, G, gs).transpose(0, 1)  # (G, M, gs)
+    wg = q_w.to(exact).reshape(N, G, gs).permute(1, 2, 0)  # (G, gs, N)
     acc = torch.bmm(xg, wg)
     if z_x is None:
-        return acc
+        return acc if exact is torch.float32 else acc.to(torch.float32)
     colsum = q_w.to(torch.float32).reshape(N, G, gs).sum(dim=2).to(torch.int32).t()  # (G, N), exact
     acc = acc.to(torch.int32) - z_x.to(torch.int32).reshape(()) * colsum.unsqueeze(1)
     return acc.to(torch.float32)

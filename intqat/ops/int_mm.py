@@ -1,9 +1,12 @@
 """int8 (M, K) x int8 (K, N) -> int32 (M, N): the semantics of out_dtype(aten.mm, torch.int32, a, b).
 
-A plain function, not a custom op: its reference implementation is `torch._int_mm`, a core aten op,
-so models that call it export to programs that run without intqat installed. Which implementation
-runs is the backend table's choice (`intqat.ops.backends`): torch._int_mm on CPUs with int8
-dot-product units, exact fp32 GEMMs of the codes on CPUs without (`fp32_exact`), Triton on GPUs.
+A plain function, not a custom op: traced, it is `aten._int_mm`, a core aten op, so models that call it
+export to programs that run without intqat installed. Its definition (the reference backend, eager) is
+the exact sum in int64 (`backends.exact`), which shares no kernel with the fast paths. Which
+implementation runs is the backend table's choice (`intqat.ops.backends`): torch._int_mm on CPUs with
+int8 dot-product units where it passed its self-check, AVX2 int16 multiply-adds or exact fp32 GEMMs of
+the codes elsewhere (`avx2_int16`, `fp32_exact`), Triton on GPUs. `check_int_mm()` says whether this
+process's torch._int_mm is exact.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from torch import Tensor
 
 from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
+from intqat.ops.backends.self_check import check_int_mm
 
-__all__ = ["int_mm", "MAX_K_INT32"]
+__all__ = ["int_mm", "MAX_K_INT32", "check_int_mm"]
 
 
 def _check(a: Tensor, b: Tensor) -> None:

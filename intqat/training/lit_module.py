@@ -35,7 +35,7 @@ SCHEDULERS = (None, "none", "cosine")
 
 def _quantized_kinds(module: nn.Module) -> dict[str, str]:
     """fqn -> "fake" / "integer" for every trainable intqat layer (the record's vocabulary)."""
-    from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES
+    from intqat.registry import FAKE_QUANT_TYPES, INTEGER_TYPES
 
     return {
         fqn: "integer" if isinstance(m, INTEGER_TYPES) else "fake"

@@ -183,7 +183,7 @@ class LMQuantReport(L.Callback):
 
     def _fork(self, trainer, pl_module) -> None:
         model = pl_module.model
-        from intqat.nn import FAKE_QUANT_TYPES, INTEGER_TYPES
+        from intqat.registry import FAKE_QUANT_TYPES, INTEGER_TYPES
 
         if any(isinstance(m, FAKE_QUANT_TYPES + INTEGER_TYPES) for m in model.modules()):
             raise RuntimeError(f"LMQuantReport(fork_at={self.fork_at}): the model is already quantized at that step; "
@@ -234,7 +234,7 @@ class LMQuantReport(L.Callback):
         cpu = lambda b: (b[0].cpu(), b[1].cpu())  # noqa: E731
         splits = {"val": [cpu(b) for b in dm.val_dataloader()], "test": [cpu(b) for b in dm.test_dataloader()]}
         qat = copy.deepcopy(pl_module.model).cpu()
-        if not any(isinstance(m, intqat.nn.INTEGER_TYPES) for m in qat.modules()):
+        if not any(isinstance(m, intqat.registry.INTEGER_TYPES) for m in qat.modules()):
             intqat.to_integer(qat)  # a run that stopped at fake quant: score what it would deploy
         models = {
             "fp32": self.twin.cpu(),
@@ -335,7 +335,7 @@ def export_lm_for_callback(pl_module, trainer, export_dir, *, calibration_batche
     loader = dm.test_dataloader() if validation_split == "test" else dm.val_dataloader()
     batches = [(x.cpu(), y.cpu()) for x, y in loader]
     deployed = intqat.to_deployed(copy.deepcopy(pl_module.model).cpu())
-    if any(isinstance(m, intqat.nn.FAKE_QUANT_TYPES) for m in deployed.modules()):
+    if any(isinstance(m, intqat.registry.FAKE_QUANT_TYPES) for m in deployed.modules()):
         deployed = intqat.to_deployed(intqat.to_integer(copy.deepcopy(pl_module.model).cpu()))
     program_eval = evaluate_lm(result.program.module(), batches)
     integer_eval = evaluate_lm(deployed, batches)

@@ -16,6 +16,11 @@ loop there) while the
 elementwise passes stay on cpu_fused; under torch.compile / torch.export only the traceable
 reference (and triton) remain, so programs hold portable aten ops.
 
+Trust: a backend that calls a library GEMM (torch._int_mm: cpu_fused and the C++ training ops; the fp32
+GEMM: fp32_exact) refuses it where that GEMM failed its self-check (`self_check.untrusted`: run once per
+process on worst-case operands against exact int64 sums; e.g. ONEDNN_MAX_CPU_ISA=AVX2 on a VNNI CPU makes
+torch._int_mm wrong), and the next backend runs. The reference's own GEMMs use none of them (`exact.py`).
+
 `use_backend(name)` forces one backend for the primitives it implements (tests, benchmarks), slow
 or not: a call it cannot take (say, under tracing) still falls through the table, and `choices()` /
 `recording()` tell which backend ran each primitive. INTQAT_BACKEND=<name>, read once at import,
@@ -31,6 +36,7 @@ import os
 from torch import Tensor
 
 from intqat.ops import cpu_kernels
+from intqat.ops.backends import self_check
 from intqat.ops.backends.amx import Amx, amx_forward_pays
 from intqat.ops.backends.avx2_int16 import Avx2Int16
 from intqat.ops.backends.base import Backend, eager_cpu, plain_cpu, tracing
@@ -42,6 +48,7 @@ from intqat.ops.backends.triton import Triton
 __all__ = [
     "Backend", "TABLE", "MAX_K_INT32", "EXACT_K", "select", "use_backend", "forced", "get", "names",
     "unavailable", "note_ran", "choices", "recording", "summary", "tracing", "plain_cpu", "amx_forward_pays",
+    "self_check",
 ]
 
 TABLE: tuple[Backend, ...] = (Triton(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())

@@ -33,6 +33,7 @@ class Amx(CpuFused):
     name = "amx"
     needs = "AMX-INT8 (Intel Xeon 4th gen+) under Linux, and the fused C kernels"
     primitives = frozenset({"linear", "digit_matmul"})
+    on_int_mm = frozenset()  # its own tile kernels: torch._int_mm's self-check does not concern them
 
     def unavailable(self):
         if not cpu_has_int8_dot():
@@ -46,13 +47,19 @@ class Amx(CpuFused):
             return reason
         if not cpu_kernels.amx_available() or not cpu_has_int8_dot():
             return "no AMX-INT8 tiles"
+        # (no tensors: a run-time question, `select(..., at_run_time=True)`, decided from the shape alone)
         if primitive == "linear":
-            if not 0 < shape[1] <= MAX_K_INT32:
+            if shape is not None and not 0 < shape[1] <= MAX_K_INT32:
                 return "K outside (0, MAX_K_INT32]"
+            if not tensors:
+                return None
             q_x, q_w = tensors[0], tensors[1]
             if not (q_x.is_contiguous() and q_w.is_contiguous()):
                 return "needs row-major codes"
-        elif primitive == "digit_matmul" and not tensors[2].is_contiguous():
+            s_x = tensors[2] if len(tensors) > 2 else None  # (integer_linear passes q_x, q_w, s_x, ...)
+            if s_x is not None and s_x.numel() not in (1, q_x.shape[0]):
+                return "s_x is neither per tensor nor per row of q_x"
+        elif primitive == "digit_matmul" and len(tensors) > 2 and not tensors[2].is_contiguous():
             return "needs row-major codes"
         return None
 

@@ -5,7 +5,8 @@ The C kernels do the reference's float32 operations in the same order (no FMA co
 half to even), so they return the same bits; they run on plain CPU tensors outside of tracing.
 torch._int_mm is fast only where the CPU has int8 dot products (AMX, AVX512-VNNI, AVX-VNNI, Arm
 SDOT / I8MM): elsewhere it is a scalar loop (~50x slower than an fp32 GEMM), so this backend
-refuses the integer GEMMs there and `fp32_exact` takes them.
+calls itself slow for the integer GEMMs there and `avx2_int16` / `fp32_exact` take them. Where torch._int_mm
+failed its self-check (self_check.py: e.g. ONEDNN_MAX_CPU_ISA=AVX2 on a VNNI CPU) it refuses them, with that reason.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from intqat.ops import cpu_kernels
 from intqat.ops.cpu_features import cpu_has_int8_dot
+from intqat.ops.backends import self_check
 from intqat.ops.backends.base import Backend, plain_cpu
 from intqat.ops.backends.reference import MAX_K_INT32, Reference, is_dense
 
@@ -26,6 +28,7 @@ class CpuFused(Backend):
     name = "cpu_fused"
     needs = "a C compiler (kernels built on first use); integer GEMMs: int8 dot-product units (torch._int_mm)"
     primitives = Reference.primitives  # every one: the GEMMs through torch._int_mm, the passes in C
+    on_int_mm = frozenset({"int_mm", "linear", "digit_matmul"})  # the primitives it runs on torch._int_mm
 
     def unavailable(self):
         if not cpu_kernels.available():
@@ -39,6 +42,8 @@ class CpuFused(Backend):
             return "the fused C kernels are off"
         if not plain_cpu(*tensors):
             return "needs plain CPU tensors"
+        if primitive in self.on_int_mm:
+            return self_check.untrusted("torch._int_mm")
         return None
 
     def slow(self, primitive, shape):

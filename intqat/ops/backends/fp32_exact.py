@@ -6,7 +6,8 @@ Every integer of magnitude <= 2^24 is an fp32 value, and adding two fp32 integer
 an integer of magnitude <= 2^24 rounds to that integer. So an fp32 GEMM over a K-slice of length
 <= 2^24 / 2^14 = 1024 returns the exact integer sum, whatever its blocking, summation order or FMA
 use. Longer K is cut into slices of 1024 whose exact results are added in int32 (int64 past int32's
-own bound, MAX_K_INT32). The result equals torch._int_mm bit for bit (tests/test_backends.py).
+own bound, MAX_K_INT32). The result equals the reference's exact sums bit for bit (tests/test_backends.py);
+the fp32 GEMM it runs on is checked once per process before it is used (self_check.py, "fp32 mm").
 
 Where torch._int_mm is a scalar loop (AVX2-only x86, e.g. AMD Zen 2/3; measured ~50x slower than
 torch.mm there) this runs the integer GEMMs at the speed of the fp32 GEMM plus the int8 -> fp32
@@ -18,28 +19,14 @@ from __future__ import annotations
 import torch
 
 from intqat.ops import cpu_kernels
+from intqat.ops.backends import self_check
 from intqat.ops.backends.base import Backend, plain_cpu
-from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
+from intqat.ops.backends.exact import EXACT_K, MAX_K_INT32, fp32_slice, fp32_slices_mm, int_mm_via_fp32
+from intqat.ops.backends.reference import Reference
 
 __all__ = ["Fp32Exact", "EXACT_K", "int_mm_via_fp32"]
 
-EXACT_K = 2**24 // 2**14  # 1024: the longest K slice an fp32 GEMM of int8 codes sums exactly
-
-
-def _fp32_mm(a, b):
-    """a (M, k) int8 @ b (k, N) int8 with k <= EXACT_K -> the exact int32 product, via one fp32 GEMM."""
-    return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(torch.int32)
-
-
-def int_mm_via_fp32(a, b):
-    """torch._int_mm(a, b) as traceable fp32 GEMMs of K slices <= EXACT_K, each exact, added in int32:
-    the decomposition AOTInductor packages get on CPUs without int8 dot products (intqat.export)."""
-    K = a.shape[1]
-    acc = None
-    for k0 in range(0, K, EXACT_K):
-        part = _fp32_mm(a[:, k0 : k0 + EXACT_K], b[k0 : k0 + EXACT_K])
-        acc = part if acc is None else acc + part
-    return acc if acc is not None else torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32, device=a.device)
+_GEMMS = frozenset({"int_mm", "linear", "digit_matmul"})  # through torch.mm in fp32 (linear_grouped: its C kernel)
 
 
 class Fp32Exact(Backend):
@@ -54,6 +41,8 @@ class Fp32Exact(Backend):
             return "not while tracing (exported programs keep aten._int_mm; see intqat.export for AOTInductor)"
         if not plain_cpu(*tensors):
             return "needs plain CPU tensors"
+        if primitive in _GEMMS:
+            return self_check.untrusted("fp32 mm")
         return None
 
     def int_mm(self, a, b):
@@ -61,15 +50,12 @@ class Fp32Exact(Backend):
         N = b.shape[1]
         if M == 0 or N == 0 or K == 0:
             return torch.zeros(M, N, dtype=torch.int32)
-        if K <= EXACT_K:
-            return _fp32_mm(a, b)
         if K > MAX_K_INT32:
-            return split_k(a, b, EXACT_K, _fp32_mm)
-        acc = _fp32_mm(a[:, :EXACT_K], b[:EXACT_K])
+            return fp32_slices_mm(a, b)  # (the slices added in int64, the result checked to fit int32)
+        acc = fp32_slice(a[:, :EXACT_K], b[:EXACT_K])
         for k0 in range(EXACT_K, K, EXACT_K):  # each slice exact; their int32 sum cannot overflow (K <= MAX_K_INT32)
-            acc += _fp32_mm(a[:, k0 : k0 + EXACT_K], b[k0 : k0 + EXACT_K])
+            acc += fp32_slice(a[:, k0 : k0 + EXACT_K], b[k0 : k0 + EXACT_K])
         return acc
-
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
 

@@ -1,8 +1,14 @@
 """The plain-torch backend: the definition of every primitive (NUMERICS.md), and what tracers see.
 
-Every other backend must return the same bits as this one; it runs anywhere torch runs and is the
-only backend taken while torch.compile / torch.export trace, so exported programs hold portable
-aten ops (`aten._int_mm` for the integer GEMM).
+Every other backend must return the same bits as this one. Two forms, chosen per call:
+- the definition (eager calls: what tests/test_backends.py compares every backend with): its integer GEMMs
+  are `exact.exact_int_mm`, an int64 matmul on the CPU that shares no kernel with the fast backends
+  (NUMERICS.md, "The definition does not lean on the kernels it checks"). Slower; exact on any machine.
+- what tracers see (torch.compile / torch.export / make_fx): the same formulas in portable aten ops, the
+  integer GEMM as `aten._int_mm`, so exported programs stay small, portable and fast where they run. The
+  one exception: torch.compile (not export) in a process whose torch._int_mm failed its self-check gets
+  `exact.fp32_slices_mm` instead, since that graph runs here.
+It is the only backend taken while tracing (with triton on GPUs).
 """
 
 from __future__ import annotations
@@ -10,14 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops.backends.base import Backend
+from intqat.ops.backends import self_check
+from intqat.ops.backends.base import Backend, tracing
+from intqat.ops.backends.exact import MAX_K_INT32, exact_int_mm, fp32_slices_mm, to_int32
 
-__all__ = ["Reference", "MAX_K_INT32", "dense_layout", "is_dense", "split_k"]
-
-# |a * b| <= 128 * 128 = 2^14 per product of int8 codes, so an int32 sum of K products cannot
-# overflow while K * 2^14 <= 2^31 - 1, i.e. K <= 131071. (At K = 131072 the all -128 sum is exactly
-# 2^31, one past int32's maximum.) Longer contractions are split and summed in int64.
-MAX_K_INT32 = (2**31 - 1) // 2**14  # 131071
+__all__ = ["Reference", "MAX_K_INT32", "dense_layout", "is_dense", "split_k", "traced_int_mm"]
 
 
 def is_dense(t: Tensor) -> bool:
@@ -47,13 +50,25 @@ def split_k(a: Tensor, b: Tensor, chunk: int, mm) -> Tensor:
     acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int64, device=a.device)
     for k0 in range(0, a.shape[1], chunk):
         acc += mm(a[:, k0 : k0 + chunk], b[k0 : k0 + chunk])
-    info = torch.iinfo(torch.int32)
-    lo, hi = (int(v) for v in acc.aminmax()) if acc.numel() else (0, 0)
-    if lo < info.min or hi > info.max:
-        raise OverflowError(
-            f"int_mm: the exact result of {tuple(a.shape)} x {tuple(b.shape)} spans [{lo}, {hi}], outside "
-            f"int32 [{info.min}, {info.max}]; it cannot be returned as out_dtype=int32")
-    return acc.to(torch.int32)
+    return to_int32(acc, a, b)
+
+
+def traced_int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """int_mm as tracers should record it: aten._int_mm (portable; the consumer's int8 units run it).
+
+    Under torch.compile (which runs its graph in this process, unlike export) when this process's
+    torch._int_mm failed its self-check: exact fp32 K slices instead (`exact.fp32_slices_mm`)."""
+    M, K = a.shape
+    N = b.shape[1]
+    if M == 0 or N == 0 or K == 0:
+        # torch._int_mm returns uninitialised memory for K = 0 on some builds; the sum of nothing is 0.
+        return torch.zeros(M, N, dtype=torch.int32, device=a.device)
+    if (torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+            and self_check.untrusted_while_compiling("torch._int_mm")):
+        return fp32_slices_mm(a, b)
+    if K > MAX_K_INT32:
+        return split_k(a, b, MAX_K_INT32, lambda x, y: torch._int_mm(dense_layout(x), dense_layout(y)))
+    return torch._int_mm(dense_layout(a), dense_layout(b))
 
 
 def _row_scale(scale: Tensor, x: Tensor, per_row: bool) -> Tensor:
@@ -77,15 +92,11 @@ class Reference(Backend):
     # --- integer GEMMs -------------------------------------------------------------------------
 
     def int_mm(self, a: Tensor, b: Tensor) -> Tensor:
-        """a (M, K) int8 @ b (K, N) int8 -> (M, N) int32 by torch._int_mm (aten: portable)."""
-        M, K = a.shape
-        N = b.shape[1]
-        if M == 0 or N == 0 or K == 0:
-            # torch._int_mm returns uninitialised memory for K = 0 on some builds; the sum of nothing is 0.
-            return torch.zeros(M, N, dtype=torch.int32, device=a.device)
-        if K > MAX_K_INT32:
-            return split_k(a, b, MAX_K_INT32, lambda x, y: torch._int_mm(dense_layout(x), dense_layout(y)))
-        return torch._int_mm(dense_layout(a), dense_layout(b))
+        """a (M, K) int8 @ b (K, N) int8 -> (M, N) int32: the exact sums (`exact_int_mm`, int64 on the CPU),
+        or, while a tracer records the call, `traced_int_mm` (aten._int_mm)."""
+        if tracing(a, b):
+            return traced_int_mm(a, b)
+        return exact_int_mm(a, b)
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         """y = epilogue(int_mm(q_x, q_wᵀ), ...): q_x (M, K), q_w (N, K) int8 -> (M, N) fp32."""
