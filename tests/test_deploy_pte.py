@@ -357,3 +357,10 @@ def test_cli_format_pte_of_a_run_directory(run_dir, capsys):
         cli.main([str(run_dir), "--format", "pt2,tflite", "--out", str(run_dir / "nope")])
     assert e.value.code == 2 and not (run_dir / "nope").exists()
     assert "unknown tflite" in capsys.readouterr().err
+
+
+def test_bench_deploy_is_registered():
+    from intqat.cli.bench import _parser
+
+    args = _parser().parse_args(["deploy", "--quick", "--repeats", "3"])
+    assert args.command == "deploy" and args.quick and args.repeats == 3

@@ -6,6 +6,8 @@
     intqat-bench all --json out.json both, and the raw numbers (every repeat) as JSON
     intqat-bench ops --quick         a seconds-long smoke run on small shapes (numbers not meaningful)
     intqat-bench export              exported mixed-precision program vs fp32 eager (digits MLP)
+    intqat-bench deploy              int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte: latency at batch 1 and 32,
+                                     size, agreement (digits MLP, a BERT-tiny-like encoder; needs intqat[deploy])
     intqat-bench compile             torch.compile vs eager train step of the integer MLP and CNN
     intqat-bench profile             torch.profiler top ops of int_linear forward+backward
     intqat-bench kernels --arch sm_80,sm_90   the Triton kernels compiled for NVIDIA GPUs, no GPU needed
@@ -38,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (("ops", "int_mm and linear forward+backward"), ("modules", "MLP and CNN train steps"),
                         ("export", "exported mixed-precision program vs fp32 eager vs integer eval"),
                         ("compile", "torch.compile vs eager train step of the integer models"),
+                        ("deploy", "int8 .pte vs fp32 .pte (ExecuTorch, XNNPACK): latency, size, agreement"),
                         ("all", "ops, modules, export, compile"), ("profile", "top ops of int_linear forward+backward")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--quick", action="store_true", help="small shapes, 2 repeats: a smoke run (numbers not meaningful)")
@@ -118,6 +121,17 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_compile_bench(quick=args.quick, repeats=args.repeats)
             print(compile_table(rows, info), end="\n\n", flush=True)
             out["compile"] = rows
+        if args.command == "deploy":
+            from intqat.bench.deploy import run_deploy_bench
+            from intqat.deploy import MissingDeployPackage
+
+            try:
+                table = run_deploy_bench(quick=args.quick, repeats=args.repeats, info=info)
+            except MissingDeployPackage as e:
+                print(f"intqat-bench deploy: {e}", file=sys.stderr)
+                return 1
+            print(table.render(), end="\n\n", flush=True)
+            out["deploy"] = table.to_dict()
         if args.command == "profile":
             from intqat.bench.profile import profile_int_linear
 

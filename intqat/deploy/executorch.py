@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from intqat.deploy._require import require
 from intqat.deploy.lower import LayerCensus, Lowered, lower_xnnpack
 from intqat.deploy.qdq import QDQGroupedIntLinear, QDQIntConv2d, QDQIntEmbedding, qdq_layers, to_qdq
+from intqat.deploy.runtime import chunks, cpu_name, load_pte, pte_latency, run_pte
 from intqat.deploy.xnnpack import OutputGrid, mark_dynamic_convs, model_output_layers, requantize_static_outputs
 
 __all__ = ["PteResult", "export_pte", "load_pte", "run_pte", "pte_latency", "PTE_FILE"]
@@ -68,100 +68,8 @@ def _inputs_of(item: Any, n_args: int) -> tuple[tuple, Tensor | None]:
                     f"got {type(item).__name__}")
 
 
-def _chunks(args: tuple, size: int) -> list[tuple]:
-    """Split a batch along dim 0 into pieces of at most `size` (the .pte's largest batch)."""
-    n = args[0].shape[0]
-    return [tuple(a[i:i + size].contiguous() if isinstance(a, Tensor) else a for a in args) for i in range(0, n, size)]
-
-
 def _float_leaves(out: Any) -> list[Tensor]:
     return [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_floating_point()]
-
-
-# -- the runtime ---------------------------------------------------------------------------------------
-class LoadedPte:
-    """A .pte's forward in ExecuTorch's runtime. Holds the Program too: a Method reads the program's buffer, which
-    must outlive it (a Method whose Program was collected crashes the process)."""
-
-    def __init__(self, program, method):
-        self.program, self.method = program, method
-
-    def execute(self, inputs: Sequence[Any]) -> list:
-        return list(self.method.execute(list(inputs)))
-
-
-def load_pte(source: str | os.PathLike | bytes) -> LoadedPte:
-    """The .pte's forward method in ExecuTorch's runtime (with its quantized kernels registered)."""
-    require("pte")
-    import executorch.kernels.quantized  # noqa: F401  (registers embedding_byte / embedding_4bit & co.)
-    from executorch.runtime import Runtime
-
-    data = bytes(source) if isinstance(source, (bytes, bytearray)) else Path(source)
-    program = Runtime.get().load_program(data)
-    method = program.load_method("forward")
-    if method is None:
-        raise ValueError(f"{source if not isinstance(source, bytes) else 'the program'} has no forward method")
-    return LoadedPte(program, method)
-
-
-def run_pte(method, args: tuple, max_batch: int) -> list[Tensor]:
-    """forward(*args) through the .pte, in pieces of at most max_batch, outputs concatenated on dim 0."""
-    outs = [method.execute(part) for part in _chunks(args, max_batch)]
-    return [torch.cat([o[i] for o in outs]) for i in range(len(outs[0]))]
-
-
-# Timed in a fresh Python that never imports intqat: the .pte files as a deployer loads them, and one XNNPACK thread
-# set before any program is loaded. (_unsafe_reset_threadpool frees the pool that already-loaded XNNPACK delegates
-# point to: resetting it in a process holding loaded programs made their next call deadlock, seen here.)
-_TIMING_SCRIPT = r"""
-import json, statistics, sys, time
-import torch
-from executorch.extension.pybindings import portable_lib
-portable_lib._unsafe_reset_threadpool(1)
-import executorch.kernels.quantized  # noqa: F401
-from executorch.runtime import Runtime
-spec = json.loads(sys.argv[1])
-runtime = Runtime.get()
-programs = {name: runtime.load_program(path) for name, path in spec["files"].items()}
-methods = {name: p.load_method("forward") for name, p in programs.items()}
-result = {}
-for batch, path in spec["inputs"].items():
-    inputs = list(torch.load(path))
-    times = {name: [] for name in methods}
-    for _ in range(spec["warmup"]):
-        for m in methods.values():
-            m.execute(inputs)
-    for _ in range(spec["repeats"]):
-        for name, m in methods.items():
-            t0 = time.process_time()
-            m.execute(inputs)
-            times[name].append((time.process_time() - t0) * 1e3)
-    result[batch] = {name: statistics.median(t) for name, t in times.items()}
-print(json.dumps(result))
-"""
-
-
-def pte_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
-                warmup: int = 3) -> dict[int, dict[str, float]]:
-    """Median CPU ms per call of each .pte (name -> file) for each batch's inputs, one call of each per round
-    (interleaved), time.process_time (counts this process only: on a shared machine the ratio holds), one XNNPACK
-    thread, in a fresh Python that never imports intqat."""
-    import subprocess
-    import sys
-
-    with tempfile.TemporaryDirectory(prefix="intqat-pte-timing-") as tmp:
-        paths = {}
-        for batch, args in inputs.items():
-            paths[str(batch)] = os.path.join(tmp, f"inputs_{batch}.pt")
-            torch.save(tuple(args), paths[str(batch)])
-        spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup}
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, "-c", _TIMING_SCRIPT, json.dumps(spec)], capture_output=True,
-                              text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"timing the .pte files failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    last = done.stdout.strip().splitlines()[-1]
-    return {int(b): t for b, t in json.loads(last).items()}
 
 
 # -- lowering --------------------------------------------------------------------------------------------
@@ -356,16 +264,6 @@ def _fmt(v: Any) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 # -- the census ------------------------------------------------------------------------------------------
 def _census(qdq: nn.Module, lowered: Lowered, kept: dict[str, str], grids: list[OutputGrid],
             fp32_weights: Sequence[str] = ()) -> list[LayerCensus]:
@@ -458,7 +356,7 @@ def export_pte(
     calibration = [_inputs_of(b, len(args))[0] for b in calibration_data] if calibration_data is not None else []
     if not calibration:
         calibration = [args]
-    calibration = [part for b in calibration for part in _chunks(b, max_batch)]
+    calibration = [part for b in calibration for part in chunks(b, max_batch)]
     validation = list(validation_data) if validation_data is not None else [b for b in calibration]
     autocast = None if low_precision_type is None else {"low_precision_type": low_precision_type, **autocast_options}
     if autocast is None and autocast_options:
@@ -483,8 +381,12 @@ def export_pte(
     buffer = _buffer(lowered)
     census = _census(census_of, lowered, kept, grids, fp32w)
 
-    method = load_pte(buffer)
-    validation_figures = _validate(method, reference, validation, len(args), max_batch, labels, grids, qdq)
+    try:  # a program XNNPACK's runtime refuses fails here, before anything is written
+        method = load_pte(buffer)
+        validation_figures = _validate(method, reference, validation, len(args), max_batch, labels, grids, qdq)
+    except RuntimeError as e:
+        raise ValueError(f"the lowered program does not run in ExecuTorch's runtime ({e}; its log above names the "
+                         "XNNPACK node); nothing was written") from None
     result = PteResult(buffer=buffer, census=census, validation=validation_figures)
     notes = []
     if autocast_report is not None:

@@ -285,7 +285,8 @@ def _kept_float(layer: nn.Module) -> nn.Module:
 def _integer_copy(model: nn.Module) -> nn.Module:
     """A deployed copy: fake-quant modules to integer (their scales carry over), integer ones deployed."""
     import intqat
-    from intqat.nn import FAKE_QUANT_TYPES, FakeQuantMultiheadAttention
+    from intqat.nn import FakeQuantMultiheadAttention
+    from intqat.registry import FAKE_QUANT_TYPES
 
     work = copy.deepcopy(model)
     if any(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules()):

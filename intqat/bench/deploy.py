@@ -1,0 +1,149 @@
+"""`intqat-bench deploy`: the int8 .pte (ExecuTorch, XNNPACK) against an fp32 .pte of the same model, at batch 1
+and 32: latency and file size, and the .pte's agreement with intqat's integer model (issue 23).
+
+Models:
+  digits MLP   the default recipe (mlp_digits_w8a8: 64 -> 128 -> 128 -> 10, w8a8 static), trained here along the
+               recipe's schedule (intqat.bench.export's training); agreement on the digits test split (270 images)
+  encoder      a BERT-tiny-like encoder layer (intqat.bench.blocks: d 128, 2 heads, FFN 512, GELU, seq 32) and a
+               linear head, random weights, calibrated on random batches, w8a8 static and w8a8_dynamic
+
+Every .pte is made by intqat.deploy.executorch.export_pte (its census decides what runs where); the fp32 .pte is
+the same model with every layer float, lowered with XNNPACK the same way. Latency: median CPU time
+(time.process_time) of interleaved calls, one XNNPACK thread, in a fresh Python that never imports intqat (the
+files as a deployer loads them). ONNX rows (fp32 ONNX against Q/DQ ONNX in onnxruntime) come with
+intqat.deploy.onnx (the ONNX part of issue 23); until it is installed the table says so.
+
+Targets (issue 23), at batch 1: int8 .pte latency <= 0.6x the fp32 .pte and size <= 0.3x for the digits MLP and
+the encoder block; top-1 agreement with the integer model 100% on the digits test split.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from importlib.metadata import version
+
+import torch
+
+from intqat.bench.table import Table, fmt_num, fmt_ratio
+from intqat.bench.timing import machine_info, machine_lines
+
+__all__ = ["run_deploy_bench", "DeploySettings", "TARGETS"]
+
+TARGETS = {"latency_ratio_b1": 0.6, "size_ratio": 0.3, "digits_top1": 1.0}
+
+
+@dataclass(frozen=True)
+class DeploySettings:
+    repeats: int = 30  # timed calls per .pte and batch (median)
+    batches: tuple[int, ...] = (1, 32)
+    seq: int = 32  # encoder tokens per sample
+    d_model: int = 128
+    ffn: int = 512
+    calibration_batches: int = 4
+    quick: bool = False
+
+    @classmethod
+    def quick_settings(cls, repeats: int | None = None) -> "DeploySettings":
+        return cls(repeats=repeats or 5, seq=8, d_model=32, ffn=64, calibration_batches=2, quick=True)
+
+
+def _digits(s: DeploySettings):
+    """(integer MLP, example, calibration, validation) of the default recipe, trained as intqat-bench export does."""
+    from intqat.bench.export import ExportBenchSettings, _models
+
+    train = ExportBenchSettings.quick() if s.quick else ExportBenchSettings()
+    _, integer, dm = _models(train)
+    xt, yt = dm.test_set.tensors
+    calibration = [tuple(b) for _, b in zip(range(s.calibration_batches), dm.val_dataloader())]
+    return integer, xt[:2].clone(), calibration, [(xt[i:i + 64], yt[i:i + 64]) for i in range(0, len(xt), 64)]
+
+
+def _encoder(s: DeploySettings, preset: str):
+    """(integer encoder block, example, calibration, validation): random weights, observers on random batches."""
+    import intqat
+    from intqat.bench.blocks import make_encoder
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = make_encoder(s.d_model, 2, s.ffn, 10).eval()
+    batches = [(torch.randn(8, s.seq, s.d_model, generator=g),) for _ in range(s.calibration_batches)]
+    model = intqat.to_integer(copy.deepcopy(model), config=preset, calibration_data=batches).eval()
+    validation = [(torch.randn(16, s.seq, s.d_model, generator=g),) for _ in range(2)]
+    return model, batches[0][0][:2].clone(), batches, validation
+
+
+def _row(table: Table, name: str, result, batch: int, first: bool) -> None:
+    t = result.latency["per_batch"].get(batch) or result.latency["per_batch"].get(str(batch))
+    v = result.validation
+    where: dict[str, int] = {}
+    for c in result.census:
+        key = c.where.split(" (")[0]
+        where[key] = where.get(key, 0) + 1
+    cells = [name if first else "", str(batch), fmt_num(t["fp32_ms"]), fmt_num(t["int8_ms"]), fmt_ratio(t["ratio"]),
+             f"{result.size['fp32_bytes'] / 1024:.1f}", f"{result.size['int8_bytes'] / 1024:.1f}",
+             fmt_ratio(result.size["ratio"]), f"{100 * v['top1_agreement']:.2f}%", fmt_num(v["max_diff_in_steps"]),
+             ", ".join(f"{n} {w}" for w, n in where.items())]
+    table.add(cells, {"model": name, "batch": batch, "fp32_ms": t["fp32_ms"], "int8_ms": t["int8_ms"],
+                      "latency_ratio": t["ratio"], "fp32_bytes": result.size["fp32_bytes"],
+                      "int8_bytes": result.size["int8_bytes"], "size_ratio": result.size["ratio"],
+                      "top1_agreement": v["top1_agreement"],
+                      "max_diff_in_steps": v["max_diff_in_steps"], "samples": v["samples"],
+                      "census": [c.to_dict() for c in result.census]})
+
+
+def run_deploy_bench(quick: bool = False, repeats: int | None = None, info: dict | None = None) -> Table:
+    """The table (module docstring); its data rows hold the raw numbers."""
+    from intqat.deploy import require
+    from intqat.deploy.executorch import export_pte
+    from intqat.deploy.formats import onnx_exporter
+
+    require("pte")
+    s = DeploySettings.quick_settings(repeats) if quick else DeploySettings(**({"repeats": repeats} if repeats else {}))
+    info = info or machine_info()
+    table = Table(
+        title="intqat-bench deploy: int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte of the same model",
+        header_lines=machine_lines(info) + [
+            f"executorch {version('executorch')}; latency: median CPU ms of {s.repeats} interleaved calls, one XNNPACK "
+            "thread, in a Python that never imports intqat; agreement: the .pte against intqat's integer model",
+            f"targets at batch 1: int8 latency <= {TARGETS['latency_ratio_b1']}x, size <= {TARGETS['size_ratio']}x; "
+            "digits top-1 agreement 100%",
+        ],
+        columns=["model", "batch", "fp32 ms", "int8 ms", "latency", "fp32 KiB", "int8 KiB", "size", "top-1 agree",
+                 "max |diff| steps", "integer layers run in"],
+    )
+    models = [("digits MLP w8a8 (test split)", lambda: _digits(s))]
+    enc = f"encoder d{s.d_model} seq{s.seq}"
+    models += [(f"{enc} w8a8", lambda: _encoder(s, "w8a8")), (f"{enc} w8a8_dynamic", lambda: _encoder(s, "w8a8_dynamic"))]
+    for name, build in models:
+        model, example, calibration, validation = build()
+        result = export_pte(model, (example,), calibration_data=calibration, validation_data=validation,
+                            latency_batches=s.batches, latency_repeats=s.repeats)
+        for i, batch in enumerate(s.batches):
+            _row(table, name, result, batch, first=i == 0)
+        if name.startswith("digits"):
+            table.meta["digits"] = {"top1_agreement": result.validation["top1_agreement"],
+                                    "accuracy": result.validation.get("accuracy"),
+                                    "accuracy_integer": result.validation.get("accuracy_integer")}
+    table.meta.update(machine=info, settings=s.__dict__, targets=TARGETS)
+    if onnx_exporter() is None:
+        table.footnotes.append("ONNX (fp32 ONNX vs Q/DQ ONNX in onnxruntime): not measured, intqat.deploy.onnx is not "
+                               "part of this intqat yet")
+    table.footnotes += _verdicts(table)
+    return table
+
+
+def _verdicts(table: Table) -> list[str]:
+    out = []
+    for r in table.data:
+        if r["batch"] != 1 or not r["model"].startswith(("digits", "encoder")) or r["model"].endswith("w8a8_dynamic"):
+            continue
+        lat, size = r["latency_ratio"], r["size_ratio"]
+        out.append(f"{r['model']}: batch-1 latency {lat:.2f}x ({'met' if lat <= TARGETS['latency_ratio_b1'] else 'NOT met'}),"
+                   f" size {size:.2f}x ({'met' if size <= TARGETS['size_ratio'] else 'NOT met'})")
+    digits = table.meta.get("digits")
+    if digits is not None:
+        ok = digits["top1_agreement"] >= TARGETS["digits_top1"]
+        out.append(f"digits top-1 agreement with the integer model {100 * digits['top1_agreement']:.2f}% "
+                   f"({'met' if ok else 'NOT met'})")
+    return out
