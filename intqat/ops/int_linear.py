@@ -27,8 +27,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops import backends, cpp_step
+from typing import NamedTuple
+
+from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
+from intqat.ops.backends.reference import Reference
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.masks import pack_mask, unpack_mask
 from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
@@ -384,7 +387,7 @@ torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_
 
 class _IntLinearEager(torch.autograd.Function):
     """The eager path: the same forward, context and backward as the custom op, without
-    torch.library's Python dispatch around them. Taken only outside tracing (see `_eager_ok`)."""
+    torch.library's Python dispatch around them. Taken only outside tracing (see `_python_step`)."""
 
     @staticmethod
     def forward(ctx, *args):  # the (ctx, *args) form: apply() skips binding a signature per call
@@ -399,9 +402,34 @@ class _IntLinearEager(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
-def _eager_ok(*tensors: Tensor | None) -> bool:
-    """True when nothing traces this call (`backends.tracing`): tracers must see the custom op, one node."""
-    return not backends.tracing(*tensors)
+class LinearStep(NamedTuple):
+    """One int_linear call's scalar options and the facts the table decides the step from (hashable: part of
+    its cache key). learned: an LSQ scale or zero point requires grad; finite: the static activation scale and
+    zero point are not NaN (read only for eager CPU calls)."""
+
+    x_qmin: int
+    x_qmax: int
+    w_qmin: int
+    w_qmax: int
+    x_dynamic: bool
+    w_clip_mask: bool
+    w_scale_given: bool
+    grad_gemm: str
+    learned: bool
+    x_scale_float32: bool
+    finite: bool
+
+
+def _python_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec: LinearStep, s_x, z_x) -> Tensor:
+    """The reference backend's `linear_step`: the custom op while a tracer watches (one node), else the same
+    forward and backward through `_IntLinearEager` (no torch.library dispatch around them)."""
+    args = (x2d, weight, bias, x_scale, x_zero_point, w_scale, spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax,
+            spec.x_dynamic, not spec.x_dynamic, spec.w_clip_mask, spec.grad_gemm)
+    traced = backends.tracing(x2d, weight, bias, x_scale, x_zero_point, w_scale)
+    return (_int_linear_op if traced else _IntLinearEager.apply)(*args)[0]
+
+
+Reference.define("linear_step", _python_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,34 +511,16 @@ def int_linear(
     # row-major on every backend: the codes and x_hat the backward multiplies keep one layout, so the fp32
     # GEMMs sum in the same order everywhere (a permuted x gave the reference another grad_w, 1 ulp)
     x2d = (x if flat else x.reshape(-1, x.shape[-1])).to(torch.float32).contiguous()
-    y = None
-    if backends.eager_cpu((x2d, weight, bias, x_scale, x_zero_point, w_scale)):
-        y = _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-                      w_clip_mask, grad_gemm)
-    if y is None:
-        args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
-                x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
-        y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
-    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-              w_clip_mask, grad_gemm) -> Tensor | None:
-    """The step through the C++ op (intqat.ops.cpp_step: the same kernels, one call each way) where
-    it may run, else None. Eager plain CPU tensors only (checked by the caller); not with learned scales."""
-    if (w_scale is not None and w_scale.requires_grad) or (
-            not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad or x_scale.dtype != torch.float32)):
-        return None  # LSQ: its gradients are the Python path's
-    M, K = x2d.shape
-    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
-    plan = cpp_step.plan(M, K, weight.shape[0], x_dynamic, w_scale is not None, w_clip_mask, grad_gemm)
-    if plan is None:
-        return None
-    if x_dynamic:
-        s_x, z = 0.0, 0
-    else:
+    tensors = (x2d, weight, bias, x_scale, x_zero_point, w_scale)
+    learned = (w_scale is not None and w_scale.requires_grad) or (
+        not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad))
+    s_x = z = None
+    eager = backends.eager_cpu(tensors)
+    if eager and not (x_dynamic or learned):  # what the C++ step takes as numbers
         s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
-        if z is None or s_x != s_x:
-            return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_step.run(plan, x2d, weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
-                          x_dynamic, w_clip_mask)
+    spec = LinearStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, w_scale is not None, grad_gemm, learned, x_dynamic or x_scale.dtype == torch.float32,
+                      s_x is None or (s_x == s_x and z is not None))
+    M, K = x2d.shape
+    b = backends.select("linear_step", *tensors, shape=(M, K, weight.shape[0]), spec=spec, eager=eager)
+    y = b.linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)
+    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
