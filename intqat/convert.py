@@ -16,7 +16,7 @@ from torch import nn
 
 from intqat import interop, registry
 from intqat.config import QuantConfig, resolve_config
-from intqat.fold import ConvBnPairs, find_conv_bn_pairs
+from intqat.fold import find_conv_bn_pairs
 from intqat.nn import ActivationQuantizer, IntLinear
 from intqat.nn.conv import _QuantConvBase
 from intqat.nn.quantizers import name_quantizers

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from intqat.cli import graphs as cli
+from intqat.graphs.referee import referee
 
 SMALL_MLP = ["recipe=mlp_digits_w8a8", "model.hidden=[16,16,16]", "data.batch_size=16"]
 
@@ -37,7 +38,7 @@ def _hash_dirs(out: Path) -> list[Path]:
 
 def test_mlp_recipe_every_stage_extracted_deduplicated_and_validated(tmp_path, capsys):
     out = tmp_path / "graphs"
-    status = cli.main([*SMALL_MLP, "trials=2", f"out={out}"])
+    status = cli.main([*SMALL_MLP, "--trials", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed
 
@@ -80,7 +81,7 @@ def test_mlp_recipe_every_stage_extracted_deduplicated_and_validated(tmp_path, c
 
     # a second run into the same directory replaces its own graphs, leaves the rest alone
     (out / "notes.txt").write_text("mine")
-    assert cli.main([*SMALL_MLP, "trials=0", "stages=integer", "layers=false", f"out={out}"]) == 0
+    assert cli.main([*SMALL_MLP, "--trials", "0", "--stages", "integer", "--no-layers", "--out", str(out)]) == 0
     capsys.readouterr()
     assert [d.name for d in _hash_dirs(out)] == [index["stages"]["integer"]["model"]]
     assert (out / "notes.txt").read_text() == "mine"
@@ -90,8 +91,8 @@ def test_cnn_fake_quant_with_live_batchnorm_is_extracted(tmp_path, capsys):
     """Conv+BN fake quant mutates BN's running stats, which the fold also reads: extraction must
     still succeed (it failed at backward before intqat-graphs kept input mutations in the graph)."""
     out = tmp_path / "cnn"
-    status = cli.main(["recipe=cnn_digits_w8a8", "data.batch_size=8", "model.channels=[4,4]", "stages=fake_quant",
-                       "trials=0", f"out={out}"])
+    status = cli.main(["recipe=cnn_digits_w8a8", "data.batch_size=8", "model.channels=[4,4]", "--stages", "fake_quant",
+                       "--trials", "0", "--out", str(out)])
     printed = capsys.readouterr().out
     assert status == 0, printed  # fake-quant graph breaks are reported, not fatal
     stage = json.loads((out / "index.json").read_text())["stages"]["fake_quant"]
@@ -140,12 +141,12 @@ def _loss(out):
 def test_referee_clears_eager_rounding_and_keeps_real_miscompiles():
     opts = cli.GraphsOptions(backend="aot_eager")  # same dynamo + aot_autograd (min-cut) path, no codegen
     x = torch.randn(8, 4)
-    sloppy = cli.referee(_SloppyEagerFp32(), x, _loss, ["grad.w", "loss", "output"], opts)
+    sloppy = referee(_SloppyEagerFp32(), x, _loss, ["grad.w", "loss", "output"], opts)
     assert sloppy.error is None and sloppy.cleared, sloppy.to_table()
     assert {r.verdict for r in sloppy.rows} <= {"eager less accurate", "compiled within tolerance of fp64"}
     assert max(r.compiled_vs_eager for r in sloppy.rows) > 1e-4  # a real disagreement was arbitrated
 
-    wrong = cli.referee(_ReadThenMutate(), x, _loss, ["grad.gamma"], opts)
+    wrong = referee(_ReadThenMutate(), x, _loss, ["grad.gamma"], opts)
     assert wrong.error is None and not wrong.cleared, wrong.to_table()
     (row,) = wrong.rows
     assert row.verdict == "compiled wrong" and row.compiled_vs_fp64 > 100 * row.eager_vs_fp64
@@ -159,11 +160,13 @@ def test_unknown_recipe_lists_the_available_ones(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["trials=many"], "trials='many'"),
-    (["stages=float,bogus"], "stages="),
-    (["--frobnicate"], "unknown option"),
+    (["--trials", "many"], "--trials: invalid an integer >= 0 value: 'many'"),
+    (["--stages", "float,bogus"], "--stages: invalid a comma-separated subset of float,fake_quant,integer"),
+    (["--frobnicate"], "unknown option '--frobnicate'"),
     (["recipe=mlp_digits_w8a8", "model.no_such_key=1"], "no_such_key"),
-    (["checkpoint=/nonexistent/last.ckpt"], "does not exist"),
+    (["--checkpoint", "/nonexistent/last.ckpt"], "does not exist"),
+    (["trials=2"], "'trials=2': intqat-graphs takes its own options as flags (--trials ...)"),
+    (["recipe=mlp_digits_w8a8", "recipe=cnn_digits_w8a8"], "recipe given 2 times"),
 ])
 def test_bad_command_lines_exit_2(argv, message, capsys):
     assert cli.main(argv) == 2
@@ -174,7 +177,7 @@ def test_help(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: intqat-graphs")
-    assert "checkpoint=PATH" in out and "mlp_digits_w8a8" in out
+    assert "--checkpoint PATH" in out and "mlp_digits_w8a8" in out
 
 
 def test_compile_bench_quick_gives_finite_positive_times():
@@ -218,6 +221,6 @@ def test_referee_runs_a_language_model_on_token_ids():
     opts = cli.GraphsOptions(backend="aot_eager")
     ids = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(2))
-    ref = cli.referee(_TinyLM(), ids, lambda out: cli.step_loss(out, tokens), ["loss", "grad.head.weight"], opts)
+    ref = referee(_TinyLM(), ids, lambda out: cli.step_loss(out, tokens), ["loss", "grad.head.weight"], opts)
     assert ref.error is None, ref.to_table()
     assert len(ref.rows) == 2 and ref.cleared, ref.to_table()

@@ -180,6 +180,7 @@ def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
     assert len(messages) == 2 and all("model.transformer.wte (nn.Embedding: QuantConfig.embedding is None" in m
                                       and "model.transformer.wpe (nn.Embedding" in m and "Conv1D" not in m
                                       for m in messages), messages
+    assert {f.rsplit(".", 1)[-1] for f in float_census(model)} == {"wte", "wpe"}  # nothing else named
     mods = dict(model.named_modules())
     assert all(type(mods[n]) is IntLinear and mods[n].transposed for n in conv1d)
     assert type(model.model.lm_head) is IntLinear
@@ -231,7 +232,11 @@ def test_bert_encoder_becomes_integer_and_exports():
     model, ids, y = tiny_bert(), torch.randint(0, 64, (4, 16)), torch.randint(0, 4, (4,))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     messages, _ = _flow(model, ids, _classify(y))
-    assert messages == []
+    # every linear layer converts; only BERT's three embeddings are named (w8a8 has no embedding spec)
+    named = {fqn for m in messages for fqn in ("word_embeddings", "position_embeddings", "token_type_embeddings")
+             if f"embeddings.{fqn} (nn.Embedding: QuantConfig.embedding is None" in m}
+    assert named == {"word_embeddings", "position_embeddings", "token_type_embeddings"}, messages
+    assert {f.rsplit(".", 1)[-1] for f in float_census(model)} == named  # nothing else named
     assert _census(model)["IntLinear"] == n_linear == 2 * 6 + 2  # q, k, v, o, up, down per layer; pooler; classifier
     _export_equal(model, ids)
 

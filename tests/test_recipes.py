@@ -277,7 +277,7 @@ def test_adding_a_field_to_a_quant_group_keeps_its_preset(group):
     """`quant=<group> +quant.config.weight.bits=N` changes one field of that group's preset: the groups name
     their preset inside the config ({preset: ...}); a bare preset name was replaced by the dict, which then
     silently fell back to w8a8 (w8a8_dynamic trained with static activations)."""
-    from intqat.cli.train import _compose
+    from intqat.compose import compose as _compose
     from intqat.config import resolve_config
 
     cfg = _compose("mlp_digits_w8a8", [f"quant={group}", "+quant.config.weight.bits=3"])

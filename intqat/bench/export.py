@@ -76,12 +76,9 @@ class ExportBenchSettings:
 
 # -- the models --------------------------------------------------------------------------------------
 def _recipe():
-    from hydra import compose, initialize_config_dir
+    from intqat.compose import compose
 
-    from intqat.cli.train import recipes_dir
-
-    with initialize_config_dir(config_dir=str(recipes_dir()), version_base="1.3", job_name="bench_export"):
-        return compose(config_name=RECIPE)
+    return compose(RECIPE)
 
 
 def _train(model: nn.Module, loader, epochs: int, opt: torch.optim.Optimizer, sched) -> None:

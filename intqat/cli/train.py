@@ -13,142 +13,29 @@ on the best or last checkpoint (`test_ckpt`); write report.md and curves.png nex
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
-DEFAULT_RECIPE = "mlp_digits_w8a8"
+from intqat.compose import (  # noqa: F401  (re-exported: intqat.cli.train's names before intqat.compose existed)
+    DEFAULT_RECIPE,
+    RecipeError,
+    available_recipes,
+    check_command_line,
+    conf_dir,
+    find_recipe,
+    recipe_location,
+    recipes_dir,
+)
+
 EXIT_USAGE = 2  # a wrong command line, as argparse does
-
-
-def recipes_dir() -> Path:
-    # recipes/ is installed as the package intqat.recipes (editable or not): ask the import system
-    return Path(importlib.import_module("intqat.recipes").__path__[0])
-
-
-def conf_dir() -> Path:
-    return Path(importlib.import_module("intqat.conf").__path__[0])
-
-
-def available_recipes() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
-
-
-def recipe_location(recipe: str) -> tuple[Path, str]:
-    """(directory, config name) of a recipe: a name of intqat's recipes, or the path of your own .yaml file
-    (anywhere; it pulls conf/ as intqat's do, with `hydra: searchpath: [pkg://intqat.conf]`)."""
-    if recipe.endswith((".yaml", ".yml")):
-        path = Path(recipe).expanduser().resolve()
-        return path.parent, path.stem
-    return recipes_dir(), recipe
 
 
 def _usage_error(message: str) -> None:
     print(f"intqat-train: {message}", file=sys.stderr)
     sys.exit(EXIT_USAGE)
-
-
-# -- checking the command line before Hydra runs --------------------------------------------------
-def _compose(recipe: str, overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    where, name = recipe_location(recipe)
-    with initialize_config_dir(config_dir=str(where), version_base="1.3", job_name="intqat_check"):
-        return compose(config_name=name, overrides=overrides)
-
-
-def _try_compose(recipe: str, overrides: list[str]):
-    try:
-        return _compose(recipe, overrides)
-    except Exception:  # noqa: BLE001  (any failure means "this set of overrides does not compose")
-        return None
-
-
-def _group_options(group: str) -> list[str] | None:
-    d = conf_dir() / group
-    return sorted(p.stem for p in d.glob("*.yaml")) if d.is_dir() else None
-
-
-def _explain_key(cfg, key: str) -> str | None:
-    """'a.b.c' not in cfg: name the deepest node that exists and list its keys (nothing resolved)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    node, path = cfg, []
-    for part in key.split("."):
-        if not isinstance(node, DictConfig):
-            return f"'{'.'.join(path)}' is a value, not a config node: it has no key '{part}'"
-        if part not in node.keys():
-            where = f"'{'.'.join(path)}'" if path else "the top level"
-            return f"no key '{part}' at {where}; valid keys there: {', '.join(str(k) for k in node.keys())}"
-        if OmegaConf.is_interpolation(node, part):
-            return None  # ${...}: what it points to decides
-        node, path = node._get_node(part), [*path, part]
-    return None
-
-
-def _explain(recipe: str, overrides: list[str], error: Exception) -> str:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    detail = str(error).strip().replace("\n", "\n    ")
-    lines = [f"cannot compose recipe {recipe!r} with {' '.join(overrides)}", f"  {type(error).__name__}: {detail}"]
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # noqa: BLE001  (the syntax error itself is in `error`)
-        return "\n".join(lines)
-    for i, ov in enumerate(parsed):
-        if ov.is_hydra_override():
-            continue
-        others = overrides[:i] + overrides[i + 1 :]
-        cfg = _try_compose(recipe, others)
-        if cfg is None:  # more than one bad override: judge this one against the recipe alone
-            cfg = _try_compose(recipe, [])
-            if cfg is None or _try_compose(recipe, [overrides[i]]) is not None:
-                continue
-        key = ov.key_or_group
-        options = _group_options(key)
-        if options is not None and not ov.is_delete():
-            lines.append(f"  '{overrides[i]}': '{key}' is a config group; its options are: {', '.join(options)}")
-            continue
-        hint = _explain_key(cfg, key)
-        if hint is not None:
-            lines.append(f"  '{overrides[i]}': {hint}")
-            if not (ov.is_add() or ov.is_delete()):
-                lines.append("  (to add a new key on purpose, write +key=value)")
-    return "\n".join(lines)
-
-
-def _missing_values(cfg, prefix: str = "") -> list[str]:
-    """Keys still set to ??? (without resolving interpolations such as ${hydra:...})."""
-    from omegaconf import DictConfig, OmegaConf
-
-    out = []
-    for k in cfg.keys():
-        if OmegaConf.is_missing(cfg, k):
-            out.append(f"{prefix}{k}")
-        elif not OmegaConf.is_interpolation(cfg, k) and isinstance(cfg._get_node(k), DictConfig):
-            out += _missing_values(cfg._get_node(k), f"{prefix}{k}.")
-    return out
-
-
-def check_command_line(recipe: str, overrides: list[str]) -> str | None:
-    """None if the recipe composes with these overrides, else a message saying what to fix."""
-    try:
-        cfg = _compose(recipe, overrides)
-    except Exception as e:  # noqa: BLE001  (Hydra / OmegaConf raise several types: all are reported)
-        return _explain(recipe, overrides, e)
-    missing = _missing_values(cfg)
-    if missing:
-        return (
-            f"recipe {recipe!r} needs " + ", ".join(f"{k}=..." for k in missing) + " on the command line "
-            f"(see the comments in {Path(recipe_location(recipe)[0]) / (recipe_location(recipe)[1] + '.yaml')})"
-        )
-    resume = cfg.get("ckpt_path")
-    if resume is not None and not Path(str(resume)).expanduser().is_file():
-        return f"ckpt_path={resume}: no such checkpoint file (resume from e.g. runs/<recipe>/<time>/checkpoints/last.ckpt)"
-    return None
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -280,13 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     if len(recipes) > 1:
         _usage_error(f"recipe= given {len(recipes)} times ({', '.join(recipes)}); give it once")
     recipe = recipes[0] if recipes else DEFAULT_RECIPE
-    available = available_recipes()
-    if recipe.endswith((".yaml", ".yml")):
-        if not Path(recipe).expanduser().is_file():
-            _usage_error(f"recipe file {recipe} does not exist")
-    elif recipe not in available:
-        _usage_error(f"unknown recipe {recipe!r}; available recipes: {', '.join(available)} (in {recipes_dir()}), "
-                     "or the path of your own recipe file (recipe=path/to/my_recipe.yaml)")
+    try:
+        find_recipe(recipe)
+    except RecipeError as e:
+        _usage_error(f"{e} (recipe=path/to/my_recipe.yaml)")
 
     # Hydra's flags (--help, --cfg job, ...) go straight to Hydra; plain overrides are checked here,
     # where the message can say which keys exist.
