@@ -11,7 +11,12 @@ import torch
 
 from intqat.ops import backends, cpp_step, explain, int_linear
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
-from intqat.ops.int_linear import LinearStep
+from intqat.ops.int_linear import LinearSpec, LinearStep
+
+
+def _spec(learned=False, finite=True):
+    """int_linear's step facts for a static w8a8 layer with a min-max weight scale (what int_linear builds)."""
+    return LinearStep(LinearSpec(-128, 127, -127, 127, False, True, True, "int8x3"), False, learned, True, finite)
 
 
 def _codes(*shape, lo=-128, hi=128, seed=0):
@@ -35,7 +40,7 @@ def _step_args(M=32, K=64, N=16, learned=False, nan=False):
 def _linear_step_verdict(x, w, s_x, z_x) -> str:
     """explain's line for cpp_step on int_linear's step with these operands (what int_linear asks the table)."""
     float_s = float(s_x)
-    spec = LinearStep(-128, 127, -127, 127, False, True, False, "int8x3", s_x.requires_grad, True, float_s == float_s)
+    spec = _spec(s_x.requires_grad, float_s == float_s)
     text = explain("linear_step", x, w, None, s_x, z_x, None, shape=(x.shape[0], x.shape[1], w.shape[0]), spec=spec,
                    file=io.StringIO())
     return next(line for line in text.splitlines() if line.strip().startswith("cpp_step"))
@@ -69,7 +74,7 @@ def test_tracing_takes_the_reference_step_and_the_custom_op():
     with FakeTensorMode() as mode:  # what export's tracer hands int_linear
         fx, fw, fs, fz = (mode.from_tensor(t) for t in (x, w, s_x, z_x))
     text = explain("linear_step", fx, fw, None, fs, fz, None, shape=(32, 64, 16), file=io.StringIO(),
-                   spec=LinearStep(-128, 127, -127, 127, False, True, False, "int8x3", False, True, True))
+                   spec=_spec())
     assert "cpp_step    refuses: not while tracing" in text and "reference   RUNS IT" in text
 
 

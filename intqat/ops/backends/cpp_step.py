@@ -11,10 +11,10 @@ The primitives (`reference` implements both: the op's Python path, eager or trac
 intqat/ops/int_linear.py and int_conv2d.py, which register it, `Reference.define`):
 
     linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
-        x2d (M, K) fp32 row-major, weight (N, K); shape (M, K, N). spec: the call's scalar options and facts
-        (int_linear.LinearStep: qmin / qmax of x and W, x_dynamic, w_clip_mask, w_scale_given, grad_gemm,
-        learned, x_scale_float32, finite); s_x / z_x: the static activation scale and zero point as Python
-        numbers (eager CPU calls; None otherwise).
+        x2d (M, K) fp32 row-major, weight (N, K); shape (M, K, N). spec: int_linear.LinearStep, the op's options
+        (`op`, int_linear.LinearSpec: qmin / qmax of x and W, x_dynamic, masks, grad_gemm) and the facts
+        (w_scale_given, learned, x_scale_float32, finite); s_x / z_x: the static activation scale and zero point
+        as Python numbers (eager CPU calls; None otherwise).
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
         x_scale_float32, finite, empty, fits_one_fp32_conv, K).
@@ -94,11 +94,12 @@ class CppStep(Backend):
         gemm = self._gemm("linear", shape)
         if isinstance(gemm, str):
             return gemm
-        int8x3 = spec.grad_gemm == "int8x3"
+        op = spec.op  # (LinearStep: the op's options, then the facts)
+        int8x3 = op.grad_gemm == "int8x3"
         digits_x = int8x3 and self.table.fast("digit_matmul", shape, "x")
         digits_w = int8x3 and self.table.fast("digit_matmul", shape, "w")
-        x_mask, w_mask = not spec.x_dynamic, spec.w_clip_mask and spec.w_scale_given  # (a min-max scale never clips)
-        steps = ["quantize_rows_dynamic" if spec.x_dynamic else "quantize_rows",
+        x_mask, w_mask = not op.x_dynamic, op.w_clip_mask and spec.w_scale_given  # (a min-max scale never clips)
+        steps = ["quantize_rows_dynamic" if op.x_dynamic else "quantize_rows",
                  "quantize_rows" if spec.w_scale_given else "quantize_rows_dynamic"]
         steps += ["pack_mask"] * (x_mask + w_mask)
         for digits, masked in ((digits_x, x_mask), (digits_w, w_mask)):
@@ -137,9 +138,10 @@ class CppStep(Backend):
     def linear_step(self, x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x):
         gemm, digits_x, digits_w, ran = self._plan("linear_step", (x2d.shape[0], x2d.shape[1], weight.shape[0]), spec)
         self.table.note_ran(ran)
+        op = spec.op
         return ops.run_linear(gemm, digits_x, digits_w, x2d, weight, bias, w_scale, 0.0 if s_x is None else s_x,
-                              0 if z_x is None else z_x, spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax,
-                              spec.x_dynamic, spec.w_clip_mask and spec.w_scale_given)
+                              0 if z_x is None else z_x, op.x_qmin, op.x_qmax, op.w_qmin, op.w_qmax, op.x_dynamic,
+                              op.w_clip_mask and spec.w_scale_given)
 
     def conv_step(self, x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x):
         gemm, _, _, ran = self._plan("conv_step", None, spec)
