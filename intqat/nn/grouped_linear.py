@@ -126,13 +126,16 @@ class FakeQuantGroupedLinear(_QuantLinearBase):
     grad_gemm = "fp32"  # the per-group backward GEMMs run in fp32
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "8da4w") -> "FakeQuantGroupedLinear":
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "8da4w",
+                    transposed: bool | None = None) -> "FakeQuantGroupedLinear":
         """From an nn.Linear, or a transformers Conv1D (GPT-2's projections: weight (in, out), kept as it is and
-        grouped along its input dim, as an nn.Linear's)."""
+        grouped along its input dim, as an nn.Linear's). transposed: whether `linear` is laid out as a Conv1D
+        (default: is it exactly one)."""
         config = resolve_config(config)
         _check_activation(config.activation)
         dev = linear.weight.device
-        transposed = is_hf_conv1d(linear)
+        if transposed is None:  # (the registry says so for a Conv1D under a wrapper, e.g. FSDP2's FSDPConv1D)
+            transposed = is_hf_conv1d(linear)
         w_nk = linear.weight.t() if transposed else linear.weight
         return cls(linear.weight, linear.bias, ActivationQuantizer(config.activation).to(dev),
                    GroupWeightQuantizer(config.weight, w_nk).to(dev), transposed=transposed)

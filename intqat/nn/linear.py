@@ -87,10 +87,13 @@ class FakeQuantLinear(_QuantLinearBase):
     """y = F.linear(fq(x), fq(W), b): the fake-quant stage that warms up scales."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
-        """From an nn.Linear, or a transformers Conv1D (weight (in, out), kept as it is)."""
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "w8a8",
+                    transposed: bool | None = None) -> "FakeQuantLinear":
+        """From an nn.Linear, or a transformers Conv1D (weight (in, out), kept as it is).
+        transposed: whether `linear` is laid out as a Conv1D (default: is it exactly one)."""
         config = resolve_config(config)
-        transposed = is_hf_conv1d(linear)
+        if transposed is None:  # (the registry says so for a Conv1D under a wrapper, e.g. FSDP2's FSDPConv1D)
+            transposed = is_hf_conv1d(linear)
         w_nk = linear.weight.t() if transposed else linear.weight
         fq = cls(
             linear.weight,

@@ -1,0 +1,127 @@
+"""The IntQAT schedule on models already sharded with FSDP2's fully_shard (2 CPU processes, gloo).
+
+Each rank trains its half of a global batch; a one-process twin (plain Parameters) trains on the whole
+batch in the same process. prepare_qat / freeze_observers / to_integer run on the sharded model between
+steps, as IntQAT runs them. Checked at every step: the sharded loss (averaged over ranks) equals the
+twin's within 1e-5 (the reduce-scatter averages gradients in another order: float rounding); the model
+keeps its Parameter objects, each still a DTensor sharded on dim 0, with the optimizer's state on them.
+In the integer stage the twin takes the sharded model's weights and quantizer state, and the sharded
+forward equals the twin's bit for bit (int8 codes, int32 accumulators, the same epilogue).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from intqat.distributed.launch import run_processes
+
+LOSS_TOL = 1e-5
+
+
+def _mlp() -> nn.Module:
+    # in_features multiples of 32: the per-group (8da4w) layers take them
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _shard(model: nn.Module, per_layer: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    if per_layer:
+        for m in model:
+            if any(True for _ in m.parameters()):
+                fully_shard(m)
+    fully_shard(model)
+
+
+def _full_state(model: nn.Module) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def _gathered(y_local: torch.Tensor, world: int) -> torch.Tensor:
+    parts = [torch.empty_like(y_local) for _ in range(world)]
+    dist.all_gather(parts, y_local.contiguous())
+    return torch.cat(parts)
+
+
+def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None:
+    import intqat
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.manual_seed(0)
+    twin = _mlp()
+    model = copy.deepcopy(twin)
+    _shard(model, per_layer)
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 32, generator=g)
+    target = torch.randint(0, 8, (16,), generator=g)
+    rows = slice(rank * 16 // world, (rank + 1) * 16 // world)
+    where = f"{config}, {'per-layer' if per_layer else 'root-only'} fully_shard"
+
+    def step(n: int) -> None:
+        for _ in range(n):
+            loss = nn.functional.cross_entropy(model(x[rows]), target[rows])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            twin_loss = nn.functional.cross_entropy(twin(x), target)
+            twin_loss.backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            mean /= world
+            assert abs(float(mean) - float(twin_loss)) <= LOSS_TOL, (where, float(mean), float(twin_loss))
+
+    def same_parameters() -> None:
+        now = list(model.parameters())
+        assert [id(p) for p in now] == [id(p) for p in params], f"{where}: the swap changed the Parameters"
+        for p in now:
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),), (where, type(p), getattr(p, "placements", None))
+            assert isinstance(opt.state[p]["exp_avg"], DTensor), where
+
+    step(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        intqat.prepare_qat(model, config)
+    left = [str(w.message) for w in caught if "left these modules" in str(w.message)]
+    assert not left, f"{where}: {left}"
+    intqat.prepare_qat(twin, config)
+    assert len(intqat.quantized_modules(model)) == 3, where
+    if per_layer:
+        assert all(isinstance(m, FSDPModule) for m in intqat.quantized_modules(model).values()), where
+    same_parameters()
+    step(2)
+    intqat.freeze_observers(model)
+    intqat.freeze_observers(twin)
+    step(1)
+    intqat.to_integer(model)
+    intqat.to_integer(twin)
+    same_parameters()
+    for _ in range(2):
+        twin.load_state_dict(_full_state(model))  # the same weights and scales, bit for bit
+        y = _gathered(model(x[rows]), world)
+        y_twin = twin(x)
+        assert torch.equal(y, y_twin), f"{where}: integer forward differs: max |diff| {(y - y_twin).abs().max()}"
+        step(1)
+
+
+def _schedules(rank: int, world: int) -> None:
+    for config in ("w8a8", "w8a8_dynamic", "8da4w"):
+        for per_layer in (True, False):
+            _check_schedule(rank, world, config, per_layer)
+
+
+def test_schedule_on_a_sharded_model_matches_one_process():
+    run_processes(_schedules, world_size=2, timeout=180)
