@@ -114,6 +114,13 @@ def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None
         y = _gathered(model(x[rows]), world)
         y_twin = twin(x)
         assert torch.equal(y, y_twin), f"{where}: integer forward differs: max |diff| {(y - y_twin).abs().max()}"
+        with torch.no_grad():  # eval: the layers' cached codes must follow the weights FSDP2 gathers
+            model.eval()
+            twin.eval()
+            y, y_twin = _gathered(model(x[rows]), world), twin(x)
+            assert torch.equal(y, y_twin), f"{where}: eval forward differs: max |diff| {(y - y_twin).abs().max()}"
+            model.train()
+            twin.train()
         step(1)
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d
+from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d, weight_regathered
 from intqat.nn.quantizers import ActivationQuantizer, keep_learned_scale_positive_
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
@@ -180,8 +180,9 @@ class GroupedIntLinear(_QuantLinearBase):
         return in_input_dtype(_apply(x, q_w, s_w, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic), x)
 
     def _weight_codes(self) -> tuple[Tensor, Tensor]:
-        """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters)."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters); recomputed
+        in traced programs and under FSDP2 (`weight_regathered`)."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or weight_regathered(self):
             return self.weight_quantizer.codes(self.w_nk())
         s = self.weight_quantizer.scale
         key = (id(self.weight), self.weight._version, None if s is None else (id(s), s._version))
