@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
 from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d, weight_regathered
-from intqat.nn.quantizers import ActivationQuantizer, keep_learned_scale_positive_
+from intqat.nn.quantizers import ActivationQuantizer, full_tensor, keep_learned_scale_positive_
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
     check_group_size,
@@ -54,7 +54,7 @@ class GroupWeightQuantizer(nn.Module):
         self.qmin = spec.qmin if qmin is None else qmin
         self.qmax = spec.qmax if qmax is None else qmax
         self.scale_div = float(self.qmax if scale_div is None else scale_div)
-        self.scale = nn.Parameter(self.minmax_scale(weight)) if spec.learnable else None
+        self.scale = nn.Parameter(self.minmax_scale(full_tensor(weight))) if spec.learnable else None
         # in the state_dict: checkpoints show this layer is quantized (intqat.callback) and its group size
         self.register_buffer("group_size_", torch.tensor(self.group_size), persistent=True)
 

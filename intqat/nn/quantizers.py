@@ -21,7 +21,14 @@ from intqat.ops import backends, cpp_step
 from intqat.ops.int_linear import minmax_weight_scale
 from intqat.ops.qparams import SCALE_EPS, _f32, _scale_zero_point, row_absmax, scale_zero_point_scalar
 
-__all__ = ["ActivationQuantizer", "WeightQuantizer", "NonFiniteInputError", "name_quantizers"]
+__all__ = ["ActivationQuantizer", "WeightQuantizer", "NonFiniteInputError", "name_quantizers", "full_tensor"]
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole of a sharded tensor (an FSDP2 / DTensor Parameter: all-gathered, a collective that every rank
+    runs, as prepare_qat runs on every rank alike), t itself otherwise. For values a module computes once from
+    its weight (a learned scale's min-max start)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class NonFiniteInputError(ValueError):
@@ -354,7 +361,7 @@ class WeightQuantizer(nn.Module):
         self.per_channel = spec.granularity == "channel"
         self.register_buffer("zero_point", torch.zeros(weight.shape[0] if self.per_channel else 1))
         if spec.learnable:
-            self.scale = nn.Parameter(self.minmax_scale(weight.detach()))
+            self.scale = nn.Parameter(self.minmax_scale(full_tensor(weight.detach())))
         else:
             self.scale = None
 
