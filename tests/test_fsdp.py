@@ -6,7 +6,9 @@ steps, as IntQAT runs them. Checked at every step: the sharded loss (averaged ov
 twin's within 1e-5 (the reduce-scatter averages gradients in another order: float rounding); the model
 keeps its Parameter objects, each still a DTensor sharded on dim 0, with the optimizer's state on them.
 In the integer stage the twin takes the sharded model's weights and quantizer state, and the sharded
-forward equals the twin's bit for bit (int8 codes, int32 accumulators, the same epilogue).
+forward equals the twin's bit for bit (int8 codes, int32 accumulators, the same epilogue), while FSDP2
+all-gathers the integer weights as int8 codes plus row absmax (intqat.distributed.int8_gather): under
+0.35x the bytes of the fp32 all-gathers of the fake-quant stage on these small layers (biases stay fp32).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from intqat.distributed.launch import run_processes
 LOSS_TOL = 1e-5
 
 
-def _mlp() -> nn.Module:
+def _mlp(out_features: int = 8) -> nn.Module:
     # in_features multiples of 32: the per-group (8da4w) layers take them
-    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, out_features))
 
 
 def _shard(model: nn.Module, per_layer: bool) -> None:
@@ -53,6 +55,9 @@ def _gathered(y_local: torch.Tensor, world: int) -> torch.Tensor:
 
 def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None:
     import intqat
+    from intqat.distributed.fsdp import fsdp_params_of
+    from intqat.distributed.int8_gather import gathered_as_int8
+    from intqat.distributed.traffic import count_all_gathers
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
@@ -60,6 +65,7 @@ def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None
     twin = _mlp()
     model = copy.deepcopy(twin)
     _shard(model, per_layer)
+    counter = count_all_gathers(model)
     params = list(model.parameters())
     opt = torch.optim.Adam(params, lr=1e-2)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=1e-2)
@@ -105,10 +111,20 @@ def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None
     step(2)
     intqat.freeze_observers(model)
     intqat.freeze_observers(twin)
+    counter.reset()
     step(1)
-    intqat.to_integer(model)
+    fp32_bytes = counter.bytes_out
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        intqat.to_integer(model)
+    assert not [str(w.message) for w in caught if "fp32" in str(w.message)], where
     intqat.to_integer(twin)
     same_parameters()
+    int8 = {fp._module_info.param_name: gathered_as_int8(fp) for _, fp in fsdp_params_of(model).values()}
+    assert [gathered_as_int8(fp) for _, fp in fsdp_params_of(model).values()] == [True, False] * 3, (where, int8)
+    counter.reset()
+    step(1)
+    assert counter.bytes_out < 0.35 * fp32_bytes, (where, counter.bytes_out, fp32_bytes)
     for _ in range(2):
         twin.load_state_dict(_full_state(model))  # the same weights and scales, bit for bit
         y = _gathered(model(x[rows]), world)
@@ -124,10 +140,34 @@ def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None
         step(1)
 
 
+def _check_uneven_rows(rank: int, world: int) -> None:
+    """5 output rows over 2 ranks: FSDP2 pads the last shard, so that weight crosses in fp32, named in a
+    warning; its layer still computes the one-process bits."""
+    import intqat
+
+    torch.manual_seed(0)
+    twin = _mlp(out_features=5)
+    model = copy.deepcopy(twin)
+    _shard(model, per_layer=True)
+    x = torch.randn(8, 32)
+    rows = slice(rank * 4, rank * 4 + 4)
+    for m in (model, twin):
+        intqat.prepare_qat(m, "w8a8_dynamic")
+        m(x[rows] if m is model else x)
+    with pytest.warns(UserWarning, match=r"all-gathers 4\.weight in fp32, not as int8 codes: 5 rows do not split evenly "
+                                         r"over 2 ranks") as caught:
+        intqat.to_integer(model)
+    assert len([w for w in caught if "fp32" in str(w.message)]) == 1  # the other two weights cross as codes
+    intqat.to_integer(twin)
+    twin.load_state_dict(_full_state(model))
+    assert torch.equal(_gathered(model(x[rows]), world), twin(x))
+
+
 def _schedules(rank: int, world: int) -> None:
     for config in ("w8a8", "w8a8_dynamic", "8da4w"):
         for per_layer in (True, False):
             _check_schedule(rank, world, config, per_layer)
+    _check_uneven_rows(rank, world)
 
 
 def test_schedule_on_a_sharded_model_matches_one_process():

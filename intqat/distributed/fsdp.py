@@ -158,6 +158,10 @@ def carry_state(old: nn.Module, new: nn.Module) -> None:
     for m in owners:
         _move_own_state(m, moved.get(id(m), new))
     _mark_managed(old, new)
+    from intqat.distributed import int8_gather  # (imports intqat.nn: loaded once a sharded model swaps)
+
+    for group, fp in touched:  # an integer layer's weight crosses as int8 codes where it may
+        int8_gather.follow(group, fp)
 
 
 def _move_state_dict_hooks(group, moved: dict[int, nn.Module]) -> None:
