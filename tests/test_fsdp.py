@@ -120,8 +120,9 @@ def _check_schedule(rank: int, world: int, config: str, per_layer: bool) -> None
     assert not [str(w.message) for w in caught if "fp32" in str(w.message)], where
     intqat.to_integer(twin)
     same_parameters()
-    int8 = {fp._module_info.param_name: gathered_as_int8(fp) for _, fp in fsdp_params_of(model).values()}
-    assert [gathered_as_int8(fp) for _, fp in fsdp_params_of(model).values()] == [True, False] * 3, (where, int8)
+    model.float()  # nn.Module._apply: FSDP2 takes new local shards (Lightning moves models so); still int8 on the wire
+    params = list(model.parameters())
+    assert [gathered_as_int8(fp) for _, fp in fsdp_params_of(model).values()] == [True, False] * 3, where
     counter.reset()
     step(1)
     assert counter.bytes_out < 0.35 * fp32_bytes, (where, counter.bytes_out, fp32_bytes)

@@ -221,6 +221,29 @@ def install(group, fp, spec: GatherSpec) -> None:
         local = local.as_subclass(Tensor)
     fp.sharded_param._local_tensor = Int8GatherShard(local, spec)
     fp._init_extensions()
+    # module.to() / .float() (nn.Module._apply swaps each Parameter for a converted copy) and load_state_dict
+    # (assign=True) hand FSDP2 a new local tensor, after which it calls reset_sharded_param: wrap the new one too
+    fp.reset_sharded_param = _KeepInt8(fp, group, spec)
+
+
+class _KeepInt8:
+    """FSDPParam.reset_sharded_param, then the local shard wrapped again (or, no longer fp32, all-gathered in fp32)."""
+
+    def __init__(self, fp, group, spec: GatherSpec):
+        self.fp, self.group, self.spec = fp, group, spec
+
+    def __call__(self) -> None:
+        fp = self.fp
+        type(fp).reset_sharded_param(fp)
+        local = fp.sharded_param._local_tensor
+        if isinstance(local, Int8GatherShard):
+            return
+        if local.dtype != torch.float32:  # (e.g. model.half(): not the weight the codes were made for)
+            del fp.reset_sharded_param
+            _reset_gather_buffers(self.group, fp)
+            fp._init_extensions()
+            return
+        fp.sharded_param._local_tensor = Int8GatherShard(local, self.spec)
 
 
 def uninstall(group, fp) -> None:
@@ -229,6 +252,7 @@ def uninstall(group, fp) -> None:
     _reset_gather_buffers(group, fp)
     fp.sharded_param._local_tensor = fp.sharded_param._local_tensor.as_subclass(Tensor)
     fp._init_extensions()
+    fp.__dict__.pop("reset_sharded_param", None)
 
 
 def _backward_reads_weights(group) -> bool:
