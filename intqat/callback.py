@@ -40,6 +40,7 @@ from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
 from intqat.nn import ActivationQuantizer, FakeQuantMultiheadAttention
 from intqat.distributed.fsdp import is_sharded
+from intqat.distributed.shards import broadcast_batchnorm_stats
 from intqat.registry import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
 
@@ -304,7 +305,10 @@ class IntQAT(Callback):
             self._load_hook = pl_module.register_load_state_dict_pre_hook(self._load_pre_hook)
         if stage == "fit":
             learned = self.config.weight.learnable or self.config.activation.learnable
-            if learned and trainer.world_size > 1 and self._schedule["prepare"] != 0:
+            # (under FSDP2 the scales a later prepare makes stay whole, their gradients averaged over the ranks:
+            # intqat.distributed.shards.average_gradients_of)
+            fsdp = isinstance(trainer.strategy, ModelParallelStrategy)
+            if learned and trainer.world_size > 1 and self._schedule["prepare"] != 0 and not fsdp:
                 raise ValueError(
                     f"IntQAT(prepare_at={self._schedule['prepare']!r}) with learned scales under "
                     f"{type(trainer.strategy).__name__}: DDP only synchronises the Parameters that exist when it "
@@ -346,6 +350,8 @@ class IntQAT(Callback):
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refresh(pl_module)
+        if self._sharded:  # (before a swap folds them)
+            broadcast_batchnorm_stats(pl_module)
         if self.unit == "epoch":
             self._advance(trainer, pl_module, trainer.current_epoch)
 
@@ -353,6 +359,8 @@ class IntQAT(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_step = trainer.global_step
         self._log_step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        if self._sharded:  # FSDP2 leaves buffers alone: rank 0's BatchNorm statistics for all, as DDP keeps them
+            broadcast_batchnorm_stats(pl_module)
         if self.unit == "step":
             self._advance(trainer, pl_module, trainer.global_step)
         if self.log_quant_metrics and trainer.global_step % self.quant_metrics_every_n_steps == 0:
@@ -423,7 +431,7 @@ class IntQAT(Callback):
         _retarget_pruning_callbacks(trainer, replaced)
 
     def _add_param_group(self, trainer: Trainer, params: list[nn.Parameter]) -> None:
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and not isinstance(trainer.strategy, ModelParallelStrategy):
             raise RuntimeError(
                 "IntQAT: preparing created Parameters (learned scales) after DDP wrapped the model; "
                 "use IntQAT(prepare_at=0)"
@@ -529,6 +537,8 @@ class IntQAT(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refresh(pl_module)
+        if self._sharded:  # every rank evaluates one model
+            broadcast_batchnorm_stats(pl_module)
         if trainer.sanity_checking:
             # Layers prepared in setup have no activation range yet and cannot evaluate: let them
             # observe the sanity batches, and forget what they saw once the check is over.

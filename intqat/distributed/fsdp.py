@@ -13,6 +13,9 @@ The Parameters, their sharding and the optimizer's state are untouched.
 `unwrap_type` (an intqat.registry.register_wrapper) tells the registry that FSDP2's FSDPLinear is an
 nn.Linear: FSDP2 changes the class, not the forward.
 
+Parameters a swap creates on a sharded model (learned scales) are not FSDP2's: they stay whole on every
+rank, their gradients averaged over the ranks (intqat.distributed.shards.average_gradients_of).
+
 Both do nothing until FSDP2 has been imported (nothing can be sharded before), so `import intqat`
 does not import torch.distributed.fsdp. They lean on FSDP2's internals as of torch 2.13
 (FSDPParam._module_info, FSDPState._modules and its hook handles); `check_internals` says clearly
@@ -22,9 +25,10 @@ when a torch release moved them.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 
 from torch import nn
+
+from intqat.distributed.shards import average_gradients_of, fsdp_params_of, states
 
 __all__ = ["unwrap_type", "carry_state", "is_sharded", "fsdp_params_of", "check_internals"]
 
@@ -47,21 +51,6 @@ def unwrap_type(cls: type) -> type | None:
     return None
 
 
-def _states() -> Iterator:
-    """Every live FSDPState, once each."""
-    if _fully_shard_module() is None:
-        return
-    from torch.distributed._composable_state import _module_state_mapping
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-    seen = set()
-    for ref in list(_module_state_mapping.values()):
-        state = ref()
-        if isinstance(state, FSDPState) and id(state) not in seen:
-            seen.add(id(state))
-            yield state
-
-
 def _own_state(m: nn.Module):
     """The FSDPState fully_shard put on m itself (m is one of its modules), else None."""
     from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
@@ -73,22 +62,6 @@ def _own_state(m: nn.Module):
 def is_sharded(model: nn.Module) -> bool:
     """Does fully_shard manage any of model's Parameters?"""
     return bool(fsdp_params_of(model))
-
-
-def fsdp_params_of(model: nn.Module) -> dict[int, tuple]:
-    """id(Parameter) -> (FSDPParamGroup, FSDPParam) for the Parameters FSDP2 manages in `model` (by the module
-    and attribute each FSDPParam writes)."""
-    mods = {id(m) for m in model.modules()}
-    found = {}
-    for state in _states():
-        for group in state._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                info = fp._module_info
-                if id(info.module) in mods:
-                    p = info.module._parameters.get(info.param_name)
-                    if p is not None:
-                        found[id(p)] = (group, fp)
-    return found
 
 
 def check_internals() -> None:
@@ -119,7 +92,7 @@ def carry_state(old: nn.Module, new: nn.Module) -> None:
     old_mods = list(old.modules())
     old_ids = {id(m) for m in old_mods}
     touched = []  # (group, fsdp_param) whose module (or a sharer) is in old's subtree
-    for state in _states():
+    for state in states():
         for group in state._fsdp_param_groups:
             for fp in group.fsdp_params:
                 info = fp._module_info
@@ -158,6 +131,11 @@ def carry_state(old: nn.Module, new: nn.Module) -> None:
     for m in owners:
         _move_own_state(m, moved.get(id(m), new))
     _mark_managed(old, new)
+    # Parameters the swap created (learned scales): FSDP2 shards only what it saw in fully_shard, so these stay
+    # whole on every rank, their gradients averaged over the ranks after each backward
+    managed = {id(fp.sharded_param) for _, fp in fsdp_params_of(new).values()}
+    before = {id(p) for p in old.parameters()}
+    average_gradients_of(p for p in new.parameters() if id(p) not in before and id(p) not in managed)
     from intqat.distributed import int8_gather  # (imports intqat.nn: loaded once a sharded model swaps)
 
     for group, fp in touched:  # an integer layer's weight crosses as int8 codes where it may

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from intqat.nn import (FakeQuantConv2d, FakeQuantEmbedding, FakeQuantGroupedLinear, FakeQuantLinear, GroupedIntLinear,
                        IntConv2d, IntEmbedding, IntLinear)
+from intqat.distributed.shards import fsdp_params_of
 from intqat.nn.grouped_linear import GroupWeightQuantizer
 from intqat.ops.int_linear_grouped import quantize_weight_grouped
 from intqat.ops.qparams import SCALE_EPS, row_absmax
@@ -304,8 +305,6 @@ def follow(group, fp) -> None:
 def enable(model: nn.Module, warn: bool = True) -> dict[str, str]:
     """All-gather every eligible integer weight of a sharded `model` as int8 codes. Returns
     {parameter fqn: "int8" or why it stays fp32}; with warn, one warning names the fp32 ones."""
-    from intqat.distributed.fsdp import fsdp_params_of
-
     report = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for pid, (group, fp) in fsdp_params_of(model).items():
@@ -329,7 +328,5 @@ def enable(model: nn.Module, warn: bool = True) -> dict[str, str]:
 
 def disable(model: nn.Module) -> None:
     """Back to fp32 all-gathers for every weight of `model`."""
-    from intqat.distributed.fsdp import fsdp_params_of
-
     for group, fp in fsdp_params_of(model).values():
         uninstall(group, fp)

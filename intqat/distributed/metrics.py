@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from torch import Tensor, nn
 
-from intqat.distributed.fsdp import fsdp_params_of
+from intqat.distributed.shards import fsdp_params_of
 from intqat.training.quant_metrics import LayerMonitor
 
 __all__ = ["local_layers", "full_parameters", "ShardedLayerMonitor"]

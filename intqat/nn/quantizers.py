@@ -158,6 +158,12 @@ class ActivationQuantizer(nn.Module):
         scale, zero_point = _scale_zero_point(self.min_val, self.max_val, self.qmin, self.qmax, self.spec.symmetric)
         self.scale.data.copy_(scale)
         self.zero_point.data.copy_(zero_point.to(torch.float32))
+        if self.spec.learnable and self.__dict__.get("_is_fsdp_managed_module", False):
+            # under FSDP2 (the tensor path runs whenever torch.distributed is up) a learned scale here is the
+            # unsharded copy of a sharded Parameter, which the next all-gather replaces: set the shard too
+            from intqat.distributed.shards import write_through
+
+            write_through(self, [n for n in ("scale", "zero_point") if n in self._parameters])
         if traced or (local_ok and self.spec.observer == "percentile"):
             return None  # (a lone inf can fall outside the percentile: x was not seen whole)
         return bool(local_ok)
