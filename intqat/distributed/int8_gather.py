@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from intqat.nn import (FakeQuantConv2d, FakeQuantEmbedding, FakeQuantGroupedLinear, FakeQuantLinear, GroupedIntLinear,
-                       IntConv2d, IntEmbedding, IntLinear)
+                       IntConv2d, IntEmbedding, IntLinear, IntMultiheadAttention)
 from intqat.distributed.shards import fsdp_params_of
 from intqat.nn.grouped_linear import GroupWeightQuantizer
 from intqat.ops.int_linear_grouped import quantize_weight_grouped
@@ -286,6 +286,10 @@ def follow(group, fp) -> None:
     fake-quant user shares (a tied embedding not converted yet) waits for that one's swap, unwarned."""
     group.unshard_in_backward = _backward_reads_weights(group)
     info = fp._module_info
+    if _ENABLED and isinstance(info.module, IntMultiheadAttention) and info.param_name.endswith("proj_weight"):
+        _warn_once(fp, "attention's in-projections cross in fp32 (int8 all-gathers are for IntLinear, GroupedIntLinear, "
+                       "IntConv2d and IntEmbedding weights; its out_proj is an IntLinear)")
+        return
     if not _ENABLED or not _integer_weight(fp):
         return
     spec, why = eligibility(group, fp)
@@ -295,11 +299,16 @@ def follow(group, fp) -> None:
     uninstall(group, fp)
     if any(isinstance(m, _FAKE) for m in (info.module, *info.shared_modules)):
         return  # its other user converts next
+    _warn_once(fp, why)
+
+
+def _warn_once(fp, why: str) -> None:
     key = (id(fp), why)
     if key not in _warned:
         _warned.add(key)
+        info = fp._module_info
         name = fp._param_fqn or f"{type(info.module).__name__}.{info.param_name} {tuple(fp._orig_size)}"
-        warnings.warn(f"intqat: FSDP2 all-gathers {name} in fp32, not as int8 codes: {why}", stacklevel=4)
+        warnings.warn(f"intqat: FSDP2 all-gathers {name} in fp32, not as int8 codes: {why}", stacklevel=5)
 
 
 def enable(model: nn.Module, warn: bool = True) -> dict[str, str]:
