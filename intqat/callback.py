@@ -38,9 +38,9 @@ from intqat.checkpoint import (
 )
 from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
-from intqat.nn import ActivationQuantizer, FakeQuantMultiheadAttention
 from intqat.distributed.fsdp import is_sharded
 from intqat.distributed.shards import broadcast_batchnorm_stats
+from intqat.nn import ActivationQuantizer, FakeQuantMultiheadAttention
 from intqat.registry import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
 
