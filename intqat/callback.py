@@ -23,6 +23,7 @@ from typing import Any, Union
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelPruning
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.utils import prune
@@ -37,6 +38,8 @@ from intqat.checkpoint import (
 )
 from intqat.config import QuantConfig, resolve_config
 from intqat.convert import freeze_bn_stats, freeze_observers, prepare_qat, to_integer
+from intqat.distributed.fsdp import is_sharded
+from intqat.distributed.shards import broadcast_batchnorm_stats
 from intqat.nn import ActivationQuantizer, FakeQuantMultiheadAttention
 from intqat.registry import ATTENTION_TYPES, FAKE_QUANT_TYPES, INTEGER_TYPES
 from intqat.training.quant_metrics import LayerMonitor, non_finite_scales
@@ -77,6 +80,15 @@ def _retarget_pruning_callbacks(trainer: Trainer, replaced: dict[int, nn.Module]
         pairs = getattr(cb, "_parameters_to_prune", None) if isinstance(cb, ModelPruning) else None
         if isinstance(pairs, (list, tuple)):
             cb._parameters_to_prune = [(replaced.get(id(m), m), n) for m, n in pairs]
+
+
+def _sharded_checkpoint(trainer: Trainer) -> bool:
+    """Is the Trainer restoring a distributed checkpoint (ModelParallelStrategy's directory of shards)?"""
+    if trainer.ckpt_path is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+        return False
+    from intqat.distributed.lightning import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(trainer.ckpt_path)
 
 
 # -- argument checks --------------------------------------------------------------------------
@@ -210,6 +222,7 @@ class IntQAT(Callback):
         self._added_param_group = False
         # per run, rebuilt from the model
         self._monitor = LayerMonitor()
+        self._sharded = False  # does FSDP2 shard the model (known once the strategy set it up)
         self._load_hook = None
         self._sanity_snapshot: list | None = None
         self._batch_step = self._log_step = 0
@@ -252,6 +265,12 @@ class IntQAT(Callback):
         # The weights are in already (Lightning restores the model before the callbacks): swap the
         # layers recorded as integer, check every layer's spec against the record.
         restore_quant_structure(pl_module, checkpoint)
+        if _sharded_checkpoint(trainer):
+            # ModelParallelStrategy loaded the distributed checkpoint into the keys the model had before
+            # the swaps (a float model's has no quantizer state): load it again into the quantized layers
+            from intqat.distributed.lightning import reload_sharded_state
+
+            reload_sharded_state(trainer, trainer.ckpt_path)
         self._refresh(pl_module)
 
     def _load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -286,7 +305,10 @@ class IntQAT(Callback):
             self._load_hook = pl_module.register_load_state_dict_pre_hook(self._load_pre_hook)
         if stage == "fit":
             learned = self.config.weight.learnable or self.config.activation.learnable
-            if learned and trainer.world_size > 1 and self._schedule["prepare"] != 0:
+            # (under FSDP2 the scales a later prepare makes stay whole, their gradients averaged over the ranks:
+            # intqat.distributed.shards.average_gradients_of)
+            fsdp = isinstance(trainer.strategy, ModelParallelStrategy)
+            if learned and trainer.world_size > 1 and self._schedule["prepare"] != 0 and not fsdp:
                 raise ValueError(
                     f"IntQAT(prepare_at={self._schedule['prepare']!r}) with learned scales under "
                     f"{type(trainer.strategy).__name__}: DDP only synchronises the Parameters that exist when it "
@@ -328,6 +350,8 @@ class IntQAT(Callback):
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refresh(pl_module)
+        if self._sharded:  # (before a swap folds them)
+            broadcast_batchnorm_stats(pl_module)
         if self.unit == "epoch":
             self._advance(trainer, pl_module, trainer.current_epoch)
 
@@ -335,6 +359,8 @@ class IntQAT(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_step = trainer.global_step
         self._log_step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+        if self._sharded:  # FSDP2 leaves buffers alone: rank 0's BatchNorm statistics for all, as DDP keeps them
+            broadcast_batchnorm_stats(pl_module)
         if self.unit == "step":
             self._advance(trainer, pl_module, trainer.global_step)
         if self.log_quant_metrics and trainer.global_step % self.quant_metrics_every_n_steps == 0:
@@ -405,7 +431,7 @@ class IntQAT(Callback):
         _retarget_pruning_callbacks(trainer, replaced)
 
     def _add_param_group(self, trainer: Trainer, params: list[nn.Parameter]) -> None:
-        if trainer.world_size > 1:
+        if trainer.world_size > 1 and not isinstance(trainer.strategy, ModelParallelStrategy):
             raise RuntimeError(
                 "IntQAT: preparing created Parameters (learned scales) after DDP wrapped the model; "
                 "use IntQAT(prepare_at=0)"
@@ -448,6 +474,13 @@ class IntQAT(Callback):
 
     def _refresh(self, pl_module: LightningModule) -> None:
         """Follow the model's current layers (hooks, metrics) after a swap or a checkpoint restore."""
+        if not self._sharded:
+            self._sharded = is_sharded(pl_module)  # (False in setup: ModelParallelStrategy shards after it)
+            if self._sharded:  # FSDP2: measure with the whole fp32 weights (intqat.distributed.metrics)
+                from intqat.distributed.metrics import ShardedLayerMonitor
+
+                self._monitor.remove()
+                self._monitor = ShardedLayerMonitor()
         self._monitor.track(self._owned_layers(pl_module), pl_module.device, hooks=self.log_quant_metrics)
 
     # -- training steps ------------------------------------------------------------------------
@@ -463,7 +496,12 @@ class IntQAT(Callback):
 
     def _check_finite(self, trainer: Trainer, outputs: Any, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        what, bad = non_finite_scales(self._monitor.layers, loss if isinstance(loss, Tensor) else None)
+        layers = self._monitor.layers
+        if self._sharded:  # each rank checks its own shards; the verdict is reduced over the ranks below
+            from intqat.distributed.metrics import local_layers
+
+            layers = local_layers(layers)
+        what, bad = non_finite_scales(layers, loss if isinstance(loss, Tensor) else None)
         if trainer.world_size > 1:  # every rank stops, whichever saw it
             bad = trainer.strategy.reduce_boolean_decision(bad, all=False)
         if not bad:
@@ -499,6 +537,8 @@ class IntQAT(Callback):
     @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._refresh(pl_module)
+        if self._sharded:  # every rank evaluates one model
+            broadcast_batchnorm_stats(pl_module)
         if trainer.sanity_checking:
             # Layers prepared in setup have no activation range yet and cannot evaluate: let them
             # observe the sanity batches, and forget what they saw once the check is over.
@@ -554,11 +594,23 @@ class IntQAT(Callback):
             rank_zero_warn(f"IntQAT: training ended (epoch {trainer.current_epoch}, step {trainer.global_step}) before "
                            f"these stages started: {', '.join(missed)} ({self.unit}s): the model was trained without "
                            "them. Train longer or move the stages earlier")
-        if self.export_on_fit_end and trainer.is_global_zero:
-            if not any(isinstance(m, _QUANT) for m in pl_module.modules()):
-                rank_zero_warn("IntQAT: no export at the end of training: the model holds no quantized layer (the "
-                               f"prepare stage never ran: prepare_at={self._schedule['prepare']!r}), so the program "
-                               "would be the float model")
+        if not self.export_on_fit_end:
+            return
+        if not any(isinstance(m, _QUANT) for m in pl_module.modules()):
+            rank_zero_warn("IntQAT: no export at the end of training: the model holds no quantized layer (the "
+                           f"prepare stage never ran: prepare_at={self._schedule['prepare']!r}), so the program "
+                           "would be the float model")
+            return
+        module = pl_module
+        if self._sharded:  # FSDP2: the exporter gets an unsharded copy (all ranks all-gather; rank 0 holds it)
+            from intqat.distributed.lightning import unsharded_copy
+
+            try:
+                module = unsharded_copy(pl_module, trainer.global_rank)
+            except TypeError as e:
+                rank_zero_warn(f"IntQAT: no export at the end of training: under FSDP2 the exporter needs an "
+                               f"unsharded copy of the module, and {e}. Export the last checkpoint instead")
                 return
+        if trainer.is_global_zero:
             export_dir = os.fspath(self.export_dir or os.path.join(trainer.default_root_dir, "export"))
-            self.export_fn(pl_module, trainer, export_dir)
+            self.export_fn(module, trainer, export_dir)

@@ -15,12 +15,16 @@ and `FOREIGN` the fake-quant modules of other libraries that convert straight to
 this module; every swap goes through `replace`, where sharding (and anything else that tracks
 modules by identity) hooks in with `on_replace`.
 
-Only exact types are taken: a subclass's forward may do anything (FSDP2's FSDPLinear is the known
-exception a hook may teach), so subclasses are named in the census, not converted.
+Only exact types are taken: a subclass's forward may do anything, so subclasses are named in the
+census, not converted. A wrapper that changes a module's class but not its forward (FSDP2 turns an
+nn.Linear it shards into its own `FSDPLinear(FSDPModule, nn.Linear)`) is taught with
+`register_wrapper`: the table then sees the class it wraps (`base_type`). intqat.distributed.fsdp
+teaches FSDP2's classes and keeps FSDP2's state right across swaps (its `on_replace` hook).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from intqat.config import QuantConfig
+from intqat.distributed import fsdp as _fsdp
 from intqat.nn.attention import DeployedIntMultiheadAttention, FakeQuantMultiheadAttention, IntMultiheadAttention
 from intqat.nn.conv import DeployedIntConv2d, FakeQuantConv2d, IntConv2d, conv_padding
 from intqat.nn.embedding import DeployedIntEmbedding, FakeQuantEmbedding, IntEmbedding
@@ -36,6 +41,7 @@ from intqat.nn.linear import DeployedIntLinear, FakeQuantLinear, IntLinear, is_h
 
 __all__ = [
     "Kind", "Foreign", "Refused", "KINDS", "FOREIGN", "register_converter", "register_float_type", "on_replace", "replace",
+    "register_wrapper", "base_type",
     "kind_for_float", "kind_of", "stage", "is_quantized", "is_foreign_fake_quant", "to_integer_module",
     "FAKE_QUANT_TYPES", "INTEGER_TYPES", "DEPLOYED_TYPES", "ATTENTION_TYPES", "QUANT_TYPES",
     "is_float_layer", "float_reason",
@@ -80,11 +86,41 @@ class Foreign:
     convert: Callable[[nn.Module], nn.Module]
 
 
+# -- wrappers: classes around a layer class that keep its forward --------------------------------------
+
+_UNWRAPPERS: list[Callable[[type], type | None]] = []
+
+
+def register_wrapper(unwrap: Callable[[type], type | None]) -> None:
+    """Teach the table a wrapping class: `unwrap(cls)` returns the layer class `cls` wraps without changing its
+    forward (FSDP2's FSDPLinear -> nn.Linear), or None for any class it does not know."""
+    if unwrap not in _UNWRAPPERS:
+        _UNWRAPPERS.append(unwrap)
+
+
+def base_type(m: nn.Module) -> type:
+    """type(m), or the class a registered wrapper wraps (the type the table matches exactly)."""
+    t = type(m)
+    for unwrap in _UNWRAPPERS:
+        inner = unwrap(t)
+        if inner is not None:
+            return inner
+    return t
+
+
 # -- intqat's own kinds ------------------------------------------------------------------------------
 
 
+def _is_conv1d(m: nn.Module) -> bool:
+    # transformers' Conv1D, exactly or under a registered wrapper
+    if is_hf_conv1d(m):
+        return True
+    mod = sys.modules.get("transformers.pytorch_utils")
+    return mod is not None and base_type(m) is getattr(mod, "Conv1D", None)
+
+
 def _is_linear(m: nn.Module) -> bool:
-    return type(m) is nn.Linear or is_hf_conv1d(m)
+    return base_type(m) is nn.Linear or _is_conv1d(m)
 
 
 def _grouped(config: QuantConfig) -> bool:
@@ -94,16 +130,17 @@ def _grouped(config: QuantConfig) -> bool:
 def _refuse_grouped(m: nn.Module, config: QuantConfig) -> None:
     # their integer modules hold one scale per output channel: a per-group config must not quietly become another scheme
     if _grouped(config):
-        raise Refused(f"nn.{type(m).__name__}: per-group weights (group_size {config.weight.group_size}) are implemented "
+        raise Refused(f"nn.{base_type(m).__name__}: per-group weights (group_size {config.weight.group_size}) are implemented "
                       "for nn.Linear and transformers' Conv1D; prepare it with a per-channel config (e.g. a second "
                       "prepare_qat with filter_fn)")
 
 
 def _prepare_grouped(m: nn.Module, config: QuantConfig, ctx: PrepareContext) -> nn.Module:
-    in_features = m.weight.shape[0 if is_hf_conv1d(m) else 1]
+    transposed = _is_conv1d(m)
+    in_features = m.weight.shape[0 if transposed else 1]
     if in_features % config.weight.group_size:
         raise Refused(f"in_features {in_features} is not a multiple of group_size {config.weight.group_size}")
-    return FakeQuantGroupedLinear.from_linear(m, config)
+    return FakeQuantGroupedLinear.from_linear(m, config, transposed=transposed)
 
 
 def _prepare_conv(m: nn.Module, config: QuantConfig, ctx: PrepareContext) -> nn.Module:
@@ -131,15 +168,15 @@ def _prepare_embedding(m: nn.Module, config: QuantConfig, ctx: PrepareContext) -
 
 # Order matters where two kinds take the same float type: the first whose `takes` says yes prepares it.
 KINDS: tuple[Kind, ...] = (
-    Kind("attention", lambda m, c: type(m) is nn.MultiheadAttention, FakeQuantMultiheadAttention, IntMultiheadAttention,
+    Kind("attention", lambda m, c: base_type(m) is nn.MultiheadAttention, FakeQuantMultiheadAttention, IntMultiheadAttention,
          DeployedIntMultiheadAttention, _prepare_attention, layer=False),
     Kind("grouped_linear", lambda m, c: _grouped(c) and _is_linear(m), FakeQuantGroupedLinear, GroupedIntLinear,
          DeployedGroupedIntLinear, _prepare_grouped),
     Kind("linear", lambda m, c: _is_linear(m), FakeQuantLinear, IntLinear, DeployedIntLinear,
-         lambda m, c, ctx: FakeQuantLinear.from_linear(m, c)),
-    Kind("embedding", lambda m, c: type(m) is nn.Embedding and c.embedding is not None, FakeQuantEmbedding, IntEmbedding,
+         lambda m, c, ctx: FakeQuantLinear.from_linear(m, c, transposed=_is_conv1d(m))),
+    Kind("embedding", lambda m, c: base_type(m) is nn.Embedding and c.embedding is not None, FakeQuantEmbedding, IntEmbedding,
          DeployedIntEmbedding, _prepare_embedding),
-    Kind("conv2d", lambda m, c: type(m) is nn.Conv2d, FakeQuantConv2d, IntConv2d, DeployedIntConv2d, _prepare_conv),
+    Kind("conv2d", lambda m, c: base_type(m) is nn.Conv2d, FakeQuantConv2d, IntConv2d, DeployedIntConv2d, _prepare_conv),
 )
 
 _LAYERS = tuple(k for k in KINDS if k.layer)
@@ -217,6 +254,12 @@ def on_replace(hook: Callable[[nn.Module, nn.Module], None]) -> Callable[[nn.Mod
     return hook
 
 
+# FSDP2: its FSDPLinear / FSDPConv2d / ... are the float layers they wrap; a swap keeps its parameter groups,
+# hooks and sharding on the new module (intqat.distributed.fsdp; both do nothing until FSDP2 is in use)
+register_wrapper(_fsdp.unwrap_type)
+on_replace(_fsdp.carry_state)
+
+
 def replace(parent: nn.Module, name: str, new: nn.Module) -> nn.Module:
     """parent.<name> = new (registered as the same child), then the on_replace hooks; returns new."""
     old = parent._modules[name]
@@ -245,33 +288,35 @@ def register_float_type(t: type) -> None:
 def is_float_layer(m: nn.Module) -> bool:
     """A module the census names when it computes in float: linear-like layers, convs, BatchNorm, attention,
     recurrent layers, embeddings."""
-    return isinstance(m, tuple(_FLOAT_TYPES) + _OTHER_CONVS + _BNS + _RECURRENT + _EMBEDDINGS) or is_hf_conv1d(m)
+    return isinstance(m, tuple(_FLOAT_TYPES) + _OTHER_CONVS + _BNS + _RECURRENT + _EMBEDDINGS) or _is_conv1d(m)
 
 
 def subclass_reason(m: nn.Module) -> str:
     base = next(b for b in _FLOAT_TYPES if isinstance(m, b))
+    # (a wrapping class intqat does not know reads the same: intqat.registry.register_wrapper teaches one)
     return f"{type(m).__name__}: a subclass of nn.{base.__name__} whose forward intqat cannot vouch for"
 
 
 def float_reason(m: nn.Module, config: QuantConfig | None = None) -> str:
     """Why float module `m` computes in float, when nothing more specific was recorded."""
+    t = base_type(m)
     if isinstance(m, _OTHER_CONVS):
-        return f"{type(m).__name__}: intqat has integer modules for Conv2d only"
-    if type(m) is nn.BatchNorm2d:
+        return f"{t.__name__}: intqat has integer modules for Conv2d only"
+    if t is nn.BatchNorm2d:
         return "BatchNorm2d not folded: no Conv2d's output feeds it alone (or its conv stays float)"
     if isinstance(m, _BNS):
-        return f"{type(m).__name__}: only a BatchNorm2d after a Conv2d folds"
+        return f"{t.__name__}: only a BatchNorm2d after a Conv2d folds"
     if isinstance(m, _RECURRENT):
-        return f"{type(m).__name__}: intqat has no integer recurrent layer; its weights compute in float"
-    if type(m) is nn.Embedding:
+        return f"{t.__name__}: intqat has no integer recurrent layer; its weights compute in float"
+    if t is nn.Embedding:
         return ("nn.Embedding: QuantConfig.embedding is None, so embeddings stay float (as torchao's 8da4w does); "
                 "set it to quantize them, e.g. {'preset': '8da4w', 'embedding': {'bits': 4, 'granularity': 'group', "
                 "'group_size': 32}}")
     if isinstance(m, _EMBEDDINGS):
-        return f"{type(m).__name__}: intqat quantizes nn.Embedding only (QuantConfig.embedding)"
-    if not any(type(m) is t for t in _FLOAT_TYPES) and not is_hf_conv1d(m):
+        return f"{t.__name__}: intqat quantizes nn.Embedding only (QuantConfig.embedding)"
+    if not any(t is f for f in _FLOAT_TYPES) and not _is_conv1d(m):
         return subclass_reason(m)
-    kind = f"nn.{type(m).__name__}" if type(m).__module__.startswith("torch.nn") else type(m).__name__
+    kind = f"nn.{t.__name__}" if t.__module__.startswith("torch.nn") else t.__name__
     return f"{kind}: left float when the model was prepared (a filter_fn, another library's prepare, or added since)"
 
 

@@ -81,7 +81,7 @@ def test_cpp_op_equals_the_python_path(M, K, N, dynamic, w_scale, bias, grad_gem
         got = _step(M, K, N, python=False, **kw)
     want = _step(M, K, N, python=True, **kw)
     assert "IntLinearTrain" in got[0] and want[0] == "_IntLinearEagerBackward"  # each path really ran
-    assert ran[(cpp_step.RECORDED_AS, "cpu_fused")] == 1 and ran[("linear", "cpu_fused")] == 1
+    assert ran[("linear_step", "cpp_step")] == 1 and ran[("linear", "cpu_fused")] == 1
     _assert_same(got, want)
 
 
@@ -200,8 +200,8 @@ def _trains_the_same(model_fn, x) -> int:
     (losses, params, ran), (losses_py, params_py, ran_py) = _train(model_fn, x, False), _train(model_fn, x, True)
     assert losses == losses_py
     assert all(torch.equal(p, q) for p, q in zip(params, params_py))
-    assert ran_py[(cpp_step.RECORDED_AS, "cpu_fused")] == 0
-    return ran[(cpp_step.RECORDED_AS, "cpu_fused")]
+    assert ran_py[("linear_step", "cpp_step")] == ran_py[("conv_step", "cpp_step")] == 0
+    return ran[("linear_step", "cpp_step")] + ran[("conv_step", "cpp_step")]
 
 
 def test_a_model_trains_the_same_through_the_op():

@@ -317,7 +317,9 @@ def test_the_torch_int_mm_rule_of_each_cpu_class(fast_int8, monkeypatch):
 
     if backends.unavailable("cpu_fused") is not None:
         pytest.skip(f"backend cpu_fused cannot run here: {backends.unavailable('cpu_fused')}")
-    monkeypatch.setattr(dg, "int8_gemm_outpaces_fp32_8x", lambda: fast_int8)
+    import intqat.ops.backends.cpu_fused as cpu_fused  # the rule is cpu_fused's slow("digit_matmul")
+
+    monkeypatch.setattr(cpu_fused, "int8_gemm_outpaces_fp32_8x", lambda: fast_int8)
     encoder_layers = [(256, 128, 384), (256, 128, 128), (256, 128, 512), (256, 512, 128)]  # BERT-tiny, 256 tokens
     with backends.use_backend("cpu_fused"):
         assert not dg.digits_pay(64, 128, 128, grad="x") and not dg.digits_pay(8, 128, 10, grad="x")  # < 2^21

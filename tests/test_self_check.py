@@ -143,7 +143,8 @@ _UNDER_A_WRONG_INT_MM = textwrap.dedent(r"""
             with backends.use_backend("reference"):
                 want = step(int_linear, **kw)
             out["linear"][case] = {"exact": all(torch.equal(u, v) for u, v in zip(got, want)),
-                                   "gemms": sorted({n for (p, n) in ran if p in ("cpp_step", "linear", "digit_matmul")})}
+                                   "gemms": sorted({n for (p, n) in ran if p in ("linear", "digit_matmul")}),
+                                   "step": sorted(n for (p, n) in ran if p == "linear_step")}
         x = torch.randn(2, 16, 12, 12, generator=g)
         W = torch.randn(32, 16, 3, 3, generator=g) * 0.1
         sw = torch.rand(32, generator=g) * 0.01 + 1e-3
@@ -227,8 +228,9 @@ def test_integer_layers_stay_exact_when_torch_int_mm_is_not(isa):
         assert f"ONEDNN_MAX_CPU_ISA={isa}" in text and "torch._int_mm" in text, text
     no_int_mm = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
     assert out["int_mm_ran"] == [no_int_mm] and out["conv_int_mm"] == [no_int_mm]
-    for case in out["linear"].values():
-        assert case["gemms"] == [no_int_mm], case  # cpp_step and linear: the int16 GEMM, no digit GEMM
+    for case in out["linear"].values():  # the C++ step, its forward GEMM the int16 one, no digit GEMM
+        assert case["gemms"] == [no_int_mm], case
+        assert case["step"] == (["cpp_step"] if no_int_mm == "avx2_int16" else ["reference"]), case
     assert any(line.startswith("SELF-CHECK REFUSED torch._int_mm") for line in out["bench_header"]), out["bench_header"]
     if full:
         assert out["export"]["integer_program_exact"] is False and out["export"]["reference_equals_integer_model"] is False

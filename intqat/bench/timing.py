@@ -162,6 +162,7 @@ def machine_lines(info: dict | None = None) -> list[str]:
 
 
 _GEMM_PRIMITIVES = ("int_mm", "linear", "linear_grouped", "digit_matmul", "ste_grad_input", "ste_grad_weight")
+_STEP_PRIMITIVES = ("linear_step", "conv_step")  # a whole layer step: the C++ op (cpp_step) or the Python path
 
 
 def backends_used(run: Callable[[], object]) -> str:
@@ -170,10 +171,10 @@ def backends_used(run: Callable[[], object]) -> str:
     with backends.recording() as ran:
         run()
     gemms = {p: b for (p, b) in ran if p in _GEMM_PRIMITIVES}
-    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p != cpp_step.RECORDED_AS})
+    passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p not in _STEP_PRIMITIVES})
     parts = [f"{p}={b}" for p, b in sorted(gemms.items())]
-    if any(p == cpp_step.RECORDED_AS for p, _ in ran):
-        parts.append("step=C++")  # int_linear's forward and backward through the C++ op (intqat.ops.cpp_step)
+    if any(p in _STEP_PRIMITIVES and b == "cpp_step" for p, b in ran):
+        parts.append("step=C++")  # a layer's forward and backward through the C++ op (backend cpp_step)
     if passes:
         parts.append("passes=" + "+".join(passes))
     return " ".join(parts) or "-"

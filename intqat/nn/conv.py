@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
-from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
+from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer, full_tensor
 from intqat.nn.linear import in_input_dtype
 from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
 from intqat.ops.int_linear import rounded_zero_point, weight_colsum
@@ -38,6 +38,12 @@ def _bn_inv_std(running_var: Tensor, eps: float) -> Tensor:
 @_bn_inv_std.register_fake
 def _(running_var, eps):
     return torch.empty_like(running_var)
+
+
+def _fold_scale(bn: nn.BatchNorm2d, gamma: Tensor | None) -> Tensor:
+    """sf = gamma / sqrt(running_var + eps), (O,); gamma is bn.weight (ones when not affine)."""
+    gamma = gamma if bn.affine else torch.ones_like(bn.running_var)
+    return gamma * _bn_inv_std(bn.running_var, bn.eps)
 
 
 def _sync_bn_frozen(module, _incompatible_keys) -> None:
@@ -85,9 +91,7 @@ class _QuantConvBase(nn.Module):
 
     def _bn_scale(self) -> Tensor:
         """sf = gamma / sqrt(running_var + eps), (O,)"""
-        bn = self.bn
-        gamma = bn.weight if bn.affine else torch.ones_like(bn.running_var)
-        return gamma * _bn_inv_std(bn.running_var, bn.eps)
+        return _fold_scale(self.bn, self.bn.weight)
 
     def folded(self) -> tuple[Tensor, Tensor | None]:
         """(w_fold, b_fold) from running statistics; differentiable w.r.t. W, b, gamma and beta."""
@@ -116,8 +120,11 @@ class FakeQuantConv2d(_QuantConvBase):
         config = resolve_config(config)
         dev = conv.weight.device
         mod = cls(conv, bn, ActivationQuantizer(config.activation).to(dev), None)
-        w_init = mod.folded()[0] if bn is not None else conv.weight
-        mod.weight_quantizer = WeightQuantizer(config.weight, w_init.detach()).to(dev)
+        w_init = conv.weight.detach()
+        if bn is not None and config.weight.learnable:  # a learned scale starts at the folded weight's min-max
+            # (whole tensors: a sharded conv's Parameters are DTensors, its BN's running stats plain buffers)
+            w_init = full_tensor(w_init) * _fold_scale(bn, full_tensor(bn.weight.detach())).reshape(-1, 1, 1, 1)
+        mod.weight_quantizer = WeightQuantizer(config.weight, w_init).to(dev)
         return mod
 
     def _conv(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
 from intqat.nn.grouped_linear import GroupWeightQuantizer, frozen_group_codes
+from intqat.nn.linear import weight_regathered
 
 __all__ = ["FakeQuantEmbedding", "IntEmbedding", "DeployedIntEmbedding"]
 
@@ -81,7 +82,8 @@ class IntEmbedding(_QuantEmbeddingBase):
         return dequantizing_gather(input, q_w, s_w)
 
     def _weight_codes(self) -> tuple[Tensor, Tensor]:
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        # recomputed in traced programs and under FSDP2 (its all-gathers keep the weight's version: see weight_regathered)
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or weight_regathered(self):
             return self.weight_quantizer.codes(self.weight)
         key = (id(self.weight), self.weight._version)
         cache = self.__dict__.get("_codes_cache")

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, QuantSpec, resolve_config
 from intqat.nn.fake_quantize import fake_quantize_ste
-from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d
-from intqat.nn.quantizers import ActivationQuantizer, keep_learned_scale_positive_
+from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d, weight_regathered
+from intqat.nn.quantizers import ActivationQuantizer, full_tensor, keep_learned_scale_positive_
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
 from intqat.ops.int_linear_grouped import (
     check_group_size,
@@ -54,7 +54,7 @@ class GroupWeightQuantizer(nn.Module):
         self.qmin = spec.qmin if qmin is None else qmin
         self.qmax = spec.qmax if qmax is None else qmax
         self.scale_div = float(self.qmax if scale_div is None else scale_div)
-        self.scale = nn.Parameter(self.minmax_scale(weight)) if spec.learnable else None
+        self.scale = nn.Parameter(self.minmax_scale(full_tensor(weight))) if spec.learnable else None
         # in the state_dict: checkpoints show this layer is quantized (intqat.callback) and its group size
         self.register_buffer("group_size_", torch.tensor(self.group_size), persistent=True)
 
@@ -126,13 +126,16 @@ class FakeQuantGroupedLinear(_QuantLinearBase):
     grad_gemm = "fp32"  # the per-group backward GEMMs run in fp32
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "8da4w") -> "FakeQuantGroupedLinear":
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "8da4w",
+                    transposed: bool | None = None) -> "FakeQuantGroupedLinear":
         """From an nn.Linear, or a transformers Conv1D (GPT-2's projections: weight (in, out), kept as it is and
-        grouped along its input dim, as an nn.Linear's)."""
+        grouped along its input dim, as an nn.Linear's). transposed: whether `linear` is laid out as a Conv1D
+        (default: is it exactly one)."""
         config = resolve_config(config)
         _check_activation(config.activation)
         dev = linear.weight.device
-        transposed = is_hf_conv1d(linear)
+        if transposed is None:  # (the registry says so for a Conv1D under a wrapper, e.g. FSDP2's FSDPConv1D)
+            transposed = is_hf_conv1d(linear)
         w_nk = linear.weight.t() if transposed else linear.weight
         return cls(linear.weight, linear.bias, ActivationQuantizer(config.activation).to(dev),
                    GroupWeightQuantizer(config.weight, w_nk).to(dev), transposed=transposed)
@@ -177,8 +180,9 @@ class GroupedIntLinear(_QuantLinearBase):
         return in_input_dtype(_apply(x, q_w, s_w, self.bias, aq.scale, z_x, aq.qmin, aq.qmax, aq.dynamic), x)
 
     def _weight_codes(self) -> tuple[Tensor, Tensor]:
-        """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters)."""
-        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        """(q_w, s_w) for inference, cached until the weight or its scale changes (version counters); recomputed
+        in traced programs and under FSDP2 (`weight_regathered`)."""
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting() or weight_regathered(self):
             return self.weight_quantizer.codes(self.w_nk())
         s = self.weight_quantizer.scale
         key = (id(self.weight), self.weight._version, None if s is None else (id(s), s._version))

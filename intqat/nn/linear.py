@@ -40,6 +40,13 @@ def is_hf_conv1d(m: nn.Module) -> bool:
     return mod is not None and type(m) is getattr(mod, "Conv1D", None)
 
 
+def weight_regathered(m: nn.Module) -> bool:
+    """Does FSDP2 manage m's weight? fully_shard marks the modules it manages (and intqat their successors,
+    intqat.distributed.fsdp). It writes every all-gather into the same unsharded Parameter without bumping
+    its version counter, so a cache keyed on (id, version) would hand back the codes of an older weight."""
+    return m.__dict__.get("_is_fsdp_managed_module", False)
+
+
 def in_input_dtype(y: Tensor, x: Tensor) -> Tensor:
     """The integer layers compute their epilogue in float32 (the deployed arithmetic) and return y in the input's
     float dtype, as nn.Linear / nn.Conv2d do: a bf16 model stays bf16 after them (a LayerNorm that follows refuses
@@ -87,10 +94,13 @@ class FakeQuantLinear(_QuantLinearBase):
     """y = F.linear(fq(x), fq(W), b): the fake-quant stage that warms up scales."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "w8a8") -> "FakeQuantLinear":
-        """From an nn.Linear, or a transformers Conv1D (weight (in, out), kept as it is)."""
+    def from_linear(cls, linear: nn.Module, config: QuantConfig | str | dict = "w8a8",
+                    transposed: bool | None = None) -> "FakeQuantLinear":
+        """From an nn.Linear, or a transformers Conv1D (weight (in, out), kept as it is).
+        transposed: whether `linear` is laid out as a Conv1D (default: is it exactly one)."""
         config = resolve_config(config)
-        transposed = is_hf_conv1d(linear)
+        if transposed is None:  # (the registry says so for a Conv1D under a wrapper, e.g. FSDP2's FSDPConv1D)
+            transposed = is_hf_conv1d(linear)
         w_nk = linear.weight.t() if transposed else linear.weight
         fq = cls(
             linear.weight,
@@ -176,12 +186,13 @@ class IntLinear(_QuantLinearBase):
 
         Inference calls would otherwise re-quantize the fp32 weight every time. The key holds the
         tensors' version counters, which every in-place update (optimizer step, load_state_dict)
-        bumps. Traced programs (export, compile) always recompute: the codes are part of the program.
+        bumps. Traced programs (export, compile) always recompute: the codes are part of the program;
+        so does a layer under FSDP2 (`weight_regathered`), whose weight is all-gathered anew each call.
         """
         aq, wq = self.input_quantizer, self.weight_quantizer
         tracing = torch.compiler.is_compiling() or torch.compiler.is_exporting()
         key = None
-        if not tracing:
+        if not tracing and not weight_regathered(self):
             s = wq.scale
             key = (id(self.weight), self.weight._version, None if s is None else (id(s), s._version), aq.dynamic)
             cache = self.__dict__.get("_codes_cache")

@@ -21,7 +21,14 @@ from intqat.ops import backends, cpp_step
 from intqat.ops.int_linear import minmax_weight_scale
 from intqat.ops.qparams import SCALE_EPS, _f32, _scale_zero_point, row_absmax, scale_zero_point_scalar
 
-__all__ = ["ActivationQuantizer", "WeightQuantizer", "NonFiniteInputError", "name_quantizers"]
+__all__ = ["ActivationQuantizer", "WeightQuantizer", "NonFiniteInputError", "name_quantizers", "full_tensor"]
+
+
+def full_tensor(t: Tensor) -> Tensor:
+    """The whole of a sharded tensor (an FSDP2 / DTensor Parameter: all-gathered, a collective that every rank
+    runs, as prepare_qat runs on every rank alike), t itself otherwise. For values a module computes once from
+    its weight (a learned scale's min-max start)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class NonFiniteInputError(ValueError):
@@ -151,6 +158,12 @@ class ActivationQuantizer(nn.Module):
         scale, zero_point = _scale_zero_point(self.min_val, self.max_val, self.qmin, self.qmax, self.spec.symmetric)
         self.scale.data.copy_(scale)
         self.zero_point.data.copy_(zero_point.to(torch.float32))
+        if self.spec.learnable and self.__dict__.get("_is_fsdp_managed_module", False):
+            # under FSDP2 (the tensor path runs whenever torch.distributed is up) a learned scale here is the
+            # unsharded copy of a sharded Parameter, which the next all-gather replaces: set the shard too
+            from intqat.distributed.shards import write_through
+
+            write_through(self, [n for n in ("scale", "zero_point") if n in self._parameters])
         if traced or (local_ok and self.spec.observer == "percentile"):
             return None  # (a lone inf can fall outside the percentile: x was not seen whole)
         return bool(local_ok)
@@ -354,7 +367,7 @@ class WeightQuantizer(nn.Module):
         self.per_channel = spec.granularity == "channel"
         self.register_buffer("zero_point", torch.zeros(weight.shape[0] if self.per_channel else 1))
         if spec.learnable:
-            self.scale = nn.Parameter(self.minmax_scale(weight.detach()))
+            self.scale = nn.Parameter(self.minmax_scale(full_tensor(weight.detach())))
         else:
             self.scale = None
 

@@ -1,5 +1,6 @@
 """Integer ops: quantize / dequantize, int_mm, and the differentiable int_linear."""
 
+from intqat.ops.backends import explain
 from intqat.ops.int_linear import (
     integer_epilogue,
     int_linear,
@@ -16,7 +17,7 @@ from intqat.ops.quant import dequantize, fake_quantize, quantize, quantize_with_
 __all__ = [
     "quantize", "dequantize", "quantize_with_mask", "fake_quantize",
     "choose_qparams", "qrange",
-    "int_mm", "MAX_K_INT32", "check_int_mm",
+    "int_mm", "MAX_K_INT32", "check_int_mm", "explain",
     "int_linear", "int_linear_grouped", "quantize_activation", "quantize_weight", "integer_epilogue",
     "rounded_zero_point", "lsq_grad_factor", "lsq_scale_grad_elem",
 ]

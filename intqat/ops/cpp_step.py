@@ -10,16 +10,13 @@ whether an integer transformer block trained faster than fp32. The C++ ops run t
 C library, linked by path) and the same aten calls in one call forward and one autograd node backward:
 same bits, ~5 us overhead.
 
-When the linear op runs (`plan`): eager calls on plain CPU tensors, with no learned (LSQ) scales, where the
-backend table would run the forward GEMM on `cpu_fused` (torch._int_mm: CPUs with int8 dot products) or
-`avx2_int16` (vpmaddwd: AVX2 CPUs without them) and every other primitive of the step on `cpu_fused`.
-The conv op (`conv_plan`): the same, static activations, its GEMM on `cpu_fused` (groups == 1) or none
-(grouped / depthwise convs: an exact fp32 conv of the codes, every CPU). Anything else (tracing, CUDA,
-LSQ, the amx backend's large layers, a forced backend whose kernels the op does not call) takes the Python
-path, which computes the same numbers. The observer op runs where the observer's own Python scalar path
-would, with `minmax` on `cpu_fused` (`ActivationQuantizer.integer_input`). INTQAT_CPP_STEP=0 turns them all
-off (tests compare both ways); a build failure (no C++ compiler, no torch headers) warns once and keeps
-the Python paths.
+Which calls they take is the backend table's decision: they are the `cpp_step` backend
+(intqat/ops/backends/cpp_step.py, primitives `linear_step` and `conv_step`), which refuses, with the reason,
+what they cannot do (tracing, CUDA, LSQ, a NaN scale, a forward GEMM or pass the table puts on a backend
+whose kernels the ops do not call); `intqat.ops.explain("linear_step", ...)` prints it. This module only
+builds, loads and calls them. The observer op runs where the observer's own Python scalar path would, with
+`minmax` on `cpu_fused` (`ActivationQuantizer.integer_input`). INTQAT_CPP_STEP=0 turns them all off (tests
+compare both ways); a build failure (no C++ compiler, no torch headers) warns once and keeps the Python paths.
 
 The library is compiled on first use (~25 s, `$CXX`, default `c++`) against torch's headers into the
 kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
@@ -36,12 +33,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from intqat.ops import backends, cpu_kernels
-from intqat.ops.digit_gemm import digits_pay
+from intqat.ops import cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
-__all__ = ["RECORDED_AS", "available", "unavailable_reason", "disabled", "plan", "run", "conv_plan", "run_conv",
-           "observe_minmax_"]
+__all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
+           "observe_minmax_", "LINEAR_GEMMS"]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -111,98 +107,40 @@ def disabled():
     return _switch.off()
 
 
-RECORDED_AS = "cpp_step"  # what `backends.recording()` counts per call of a C++ step op, beside its primitives
-_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # the forward GEMM the op can run: torch._int_mm, AVX2 vpmaddwd
-_plans: dict[tuple, tuple | None] = {}
+def disabled_depth() -> int:
+    """How many `disabled()` blocks are open: part of the backend table's cache key."""
+    return _switch.depth
 
 
-def plan(M: int, K: int, N: int, x_dynamic: bool, w_scale_given: bool, w_mask: bool, grad_gemm: str) -> tuple | None:
-    """(gemm, digits_x, digits_w, ran) when the C++ op may run this call, else None.
-
-    Decided once per shape and setting (and per forced backend / kernels switch): the op may run when
-    the backend table would put the forward GEMM on cpu_fused (torch._int_mm) or avx2_int16, and every
-    other primitive of the step on cpu_fused: the kernels the op calls. `ran`: (primitive, backend) per
-    primitive one step runs, recorded per call as the backend table records the Python path's
-    (`intqat.ops.backends.recording`). The caller has checked the tensors (plain CPU, nothing tracing,
-    no learned scales).
-    """
-    if not available():
-        return None
-    key = (M, K, N, x_dynamic, w_scale_given, w_mask, grad_gemm, backends.forced(), cpu_kernels.disabled_depth())
-    if key in _plans:
-        return _plans[key]
-    result = None
-    if M and K and N and max(M, K, N) <= backends.MAX_K_INT32:
-        digits_x = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="x")
-        digits_w = grad_gemm == "int8x3" and digits_pay(M, K, N, grad="w")
-        x_mask = not x_dynamic
-        steps = ["quantize_rows_dynamic" if x_dynamic else "quantize_rows",
-                 "quantize_rows" if w_scale_given else "quantize_rows_dynamic"]
-        steps += ["pack_mask"] * (x_mask + w_mask)
-        for digits, masked in ((digits_x, x_mask), (digits_w, w_mask)):
-            steps += ["digit_matmul" if digits else "dequantize_rows"] + ["mask_zero_packed_"] * masked
-
-        def backend(primitive):
-            return getattr(backends.select(primitive, record=False, at_run_time=True, shape=(M, K, N)), "name", None)
-
-        linear = backend("linear")
-        if linear in _GEMMS and all(backend(p) == "cpu_fused" for p in set(steps)):
-            ran = ((RECORDED_AS, linear), ("linear", linear), *((p, "cpu_fused") for p in steps))
-            result = (_GEMMS[linear], digits_x, digits_w, ran)
-    if len(_plans) < 4096:
-        _plans[key] = result
-    return result
-
-
-_op = None
-_observe_op = None
+# The forward GEMMs the ops can run, by the backend whose kernel it is -> the ops' `gemm` argument
+LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd
+_linear_op = None
 _conv_op = None
-_conv_plans: dict[tuple, int | None] = {}
+_observe_op = None
 
 
-def conv_plan(groups: int, per_group_terms: int, K: int) -> int | None:
-    """The C++ conv op's GEMM for this static-activation conv (0: torch._int_mm, 1: AVX2 int16; grouped convs
-    have none: 0), or None when the op may not run. per_group_terms = C/g * kh * kw, K = C * kh * kw.
-
-    Grouped convs run as one exact fp32 conv of the codes: only while a group's terms fit 512 (int_conv2d's
-    _EXACT_FP32_TERMS; longer ones are cut into chunks, in Python). Plain ones need int_mm on cpu_fused or
-    avx2_int16. The elementwise passes must be cpu_fused's. The caller checked the tensors (plain CPU,
-    nothing tracing, no learned scales, static activations)."""
-    if not available():
-        return None
-    key = (groups > 1, backends.forced(), cpu_kernels.disabled_depth())
-    gemm = _conv_plans.get(key, -1)
-    if gemm == -1:
-        steps = ["quantize_rows", "dequantize_rows"] + (["epilogue"] if groups == 1 else [])
-        ok = all(_run_time_backend(p) == "cpu_fused" for p in steps)
-        gemm = None if not ok else (0 if groups > 1 else _GEMMS.get(_run_time_backend("int_mm")))
-        _conv_plans[key] = gemm
-    if gemm is None or (per_group_terms > 512 if groups > 1 else not 0 < K <= backends.MAX_K_INT32):
-        return None
-    return gemm
-
-
-def _run_time_backend(primitive: str) -> str | None:
-    return getattr(backends.select(primitive, record=False, at_run_time=True), "name", None)
+def run_linear(gemm: int, digits_x: bool, digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None,
+               w_scale: Tensor | None, x_scale: float, z_x: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
+               x_dynamic: bool, w_clip_mask: bool) -> Tensor:
+    """y (M, N) through intqat_train::int_linear (forward now, backward as its autograd node); x2d (M, K) fp32
+    row-major. gemm: LINEAR_GEMMS' code; digits_x / digits_w: that backward GEMM as digits (digit_gemm.py)."""
+    global _linear_op
+    if _linear_op is None:
+        _linear_op = torch.ops.intqat_train.int_linear.default
+    return _linear_op(x2d, weight, bias, w_scale, x_scale, z_x, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+                      w_clip_mask, gemm, digits_x, digits_w, SCALE_EPS)
 
 
 def run_conv(gemm: int, x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
              stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
              w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
-    """y (B, O, Ho, Wo) through the C++ conv op with the GEMM `conv_plan` chose; x fp32 (B, C, H, W)."""
+    """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code (grouped
+    convs run an exact fp32 conv of the codes and ignore it)."""
     global _conv_op
     if _conv_op is None:
         _conv_op = torch.ops.intqat_train.int_conv2d.default
-    backends.note_ran(_CONV_RAN[gemm if groups == 1 else None])
     return _conv_op(x, weight, bias, w_scale, x_scale, z_x, stride, padding, dilation, groups, x_qmin, x_qmax,
                     w_qmin, w_qmax, w_clip_mask, gemm)
-
-
-_CONV_RAN = {  # what one conv step records, per GEMM (None: grouped, no integer GEMM)
-    gemm: ((RECORDED_AS, "cpu_fused"), ("quantize_rows", "cpu_fused"), ("dequantize_rows", "cpu_fused"))
-    + (() if gemm is None else (("int_mm", name), ("epilogue", "cpu_fused")))
-    for gemm, name in ((None, None), *((g, n) for n, g in _GEMMS.items()))
-}
 
 
 def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,
@@ -216,15 +154,3 @@ def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, 
         _observe_op = torch.ops.intqat_train.observe_minmax_.default
     return _observe_op(x, min_val, max_val, scale, zero_point, initialized, first, moving_average,
                        averaging_constant, qmin, qmax, symmetric, SCALE_EPS)
-
-
-def run(p: tuple, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None, x_scale: float,
-        z_x: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int, x_dynamic: bool, w_clip_mask: bool) -> Tensor:
-    """y (M, N) through the C++ op, per plan `p`; x2d (M, K) fp32 contiguous."""
-    global _op
-    if _op is None:
-        _op = torch.ops.intqat_train.int_linear.default
-    gemm, digits_x, digits_w, ran = p
-    backends.note_ran(ran)
-    return _op(x2d, weight, bias, w_scale, x_scale, z_x, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask,
-               gemm, digits_x, digits_w, SCALE_EPS)

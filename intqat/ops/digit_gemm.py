@@ -25,16 +25,14 @@ Two kernels compute the same bits:
 - elsewhere: the three planes stacked into one `torch._int_mm` call, whose (3R, K) int32 product is
   written out and read back by the combine (fused C kernels in kernels/cpu/fused.c).
 
-Where it pays (`digits_pay`, per CPU class): with AMX (measured on a 2-core 4th-gen Xeon), both
-backward GEMMs from M >= 128 and M*N*K >= 2^26 (at M=256, K=N=1024: grad_w 0.51x, grad_x 0.42x the
-fp32 GEMM's time; a batch of 32 is 1.2x-2.3x slower, its output write dominating). Through
-torch._int_mm on AMD Zen 5 with AVX-512 VNNI (int8 ~8x fp32's rate there: MKL's fp32 GEMM runs its
-AVX2 path on AMD), both from M*N*K >= 2^21 (grad_w with 64 <= M <= 2 max(N, K)): a BERT-tiny layer
-(M=256, K=128, N=384) 0.59x / 0.73x. Other CPUs with int8 dot units (int8 ~4x fp32): only grad_x,
-from N >= 512 and M*N*K >= 2^24 (0.54x-0.78x at M=256, measured on the Xeon through torch._int_mm):
-grad_w's contraction is the batch, where the 3x larger int32 output made it slower than fp32.
-`grad_gemm="fp32"` (QuantConfig / int_linear) keeps the plain fp32 GEMMs of NUMERICS.md.
-Contractions longer than MAX_K_INT32 (int32 digit sums could overflow) take that path.
+Where it pays (`digits_pay`) is the `slow("digit_matmul")` rule of the backend that would run it: the
+thresholds are named constants beside those backends (intqat/ops/backends/amx.py, cpu_fused.py), each with the
+CPU class it was measured on: with AMX, both backward GEMMs from M >= 128 and M*N*K >= 2^26; through
+torch._int_mm on AMD Zen 5 with AVX-512 VNNI (int8 ~8x fp32's rate), both from M*N*K >= 2^21 (grad_w with
+64 <= M <= 2 max(N, K)); on other CPUs with int8 dot units (int8 ~4x fp32), only grad_x, from N >= 512 and
+M*N*K >= 2^24; elsewhere (fp32_exact, the reference's torch twin) never. `grad_gemm="fp32"` (QuantConfig /
+int_linear) keeps the plain fp32 GEMMs of NUMERICS.md. Contractions longer than MAX_K_INT32 (int32 digit sums
+could overflow) take that path.
 
 The C kernels and the torch functions here compute the same bits; tests/test_digit_gemm.py checks
 both kernels against them and the error bound.
@@ -48,8 +46,6 @@ import torch
 from torch import Tensor
 
 from intqat.ops import backends
-from intqat.ops.backends import MAX_K_INT32
-from intqat.ops.cpu_features import int8_gemm_outpaces_fp32_8x
 
 __all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
 
@@ -69,32 +65,11 @@ def check_grad_gemm(grad_gemm: str) -> str:
 def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
     """Is this backward GEMM of int_linear (x (M, K), W (N, K)) faster as a digit GEMM than in fp32?
 
-    grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). Asks the backend that
-    would run `digit_matmul` eagerly on CPU tensors (`intqat.ops.backends`); the thresholds are properties of
-    each backend's kernels against an fp32 GEMM on the same CPU class (the fp32 side includes the pass
-    that dequantizes its int8 operand, the digit side the split and the combine):
-    - amx (AMX tiles): both pay from M >= 128 and M*N*K >= 2^26 (0.5x-0.75x of fp32 at M=256;
-      up to 2.3x slower at M=32, where the output write dominates); measured on a 4th-gen Xeon;
-    - cpu_fused where int8 GEMMs run ~8x fp32's rate (`int8_gemm_outpaces_fp32_8x`: AMD Zen 5 with
-      AVX-512 VNNI): grad_x from M*N*K >= 2^21 (0.42x-0.87x of fp32 from 128^3 up, 1 thread);
-      grad_w also needs 64 <= M <= 2 max(N, K): its contraction is the batch, and a long one (M = 1024,
-      N = K = 128: 1.19x) or a short one (M = 32: 1.08x) spends more on the split than it saves;
-    - cpu_fused elsewhere (Intel VNNI, Zen 4, Arm dot units: int8 ~4x fp32's rate): only grad_x, from
-      N >= 512 and M*N*K >= 2^24 (grad_w's 3x larger int32 output made it slower than fp32);
-    - anything else (no int8 dot-product units: the digits would be three fp32 GEMMs): never.
-    """
-    if K > MAX_K_INT32 or N > MAX_K_INT32 or M > MAX_K_INT32 or M * N * K < 2**21:
-        return False  # (no backend's digit GEMM pays below 2^21 multiply-adds)
-    # the run-time choice: traced (compile's backward graph) the GEMM is the opaque intqat::digit_matmul,
-    # which runs the eager kernels, so the traced graph must decide as eager does
-    b = backends.select("digit_matmul", record=False, at_run_time=True)
-    if b.name == "amx":
-        return M >= 128 and M * N * K >= 2**26
-    if b.name == "cpu_fused" and int8_gemm_outpaces_fp32_8x():
-        return grad == "x" or 64 <= M <= 2 * max(N, K)
-    if b.name == "cpu_fused":
-        return grad == "x" and N >= 512 and M * N * K >= 2**24
-    return False
+    grad "x": grad_x = (M, N) @ (N, K); grad "w": grad_w = (N, M) @ (M, K). The table's answer
+    (`backends.fast`): the backend an eager run would take for `digit_matmul` (also while compile traces the
+    backward: the opaque intqat::digit_matmul runs the eager kernels, so the graph decides as eager does),
+    and its `slow` rule for this shape."""
+    return backends.fast("digit_matmul", (M, K, N), grad)
 
 
 def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -176,16 +151,8 @@ def _(a, col_scale, q, z, mask):
 
 
 def _digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask: Tensor | None) -> Tensor:
-    """`digit_matmul` on real tensors: the C kernels when usable, else the torch twin."""
-    R, C = a.shape
-    K = q.shape[1]
+    """`digit_matmul` on real tensors: the backend the table picks (the C kernels, or the torch twin)."""
     b = backends.select("digit_matmul", a, col_scale, q, mask)
     if isinstance(z, Tensor) and not b.traceable:
         z = int(z.reshape(()))  # a constant for the kernels (the twin also takes the tensor)
-    if C > MAX_K_INT32:
-        out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
-        return out if mask is None else torch.where(mask, out, 0.0)
-    if R == 0 or K == 0 or C == 0:
-        out = a.new_zeros((R, K), dtype=torch.float32)
-        return out if mask is None else torch.where(mask, out, 0.0)
     return b.digit_matmul(a, col_scale, q, z, mask)

@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops import backends, cpp_step
+from typing import NamedTuple
+
+from intqat.ops import backends
+from intqat.ops.backends.reference import Reference
 from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
@@ -348,29 +351,51 @@ def int_conv2d(
     x_zero_point = x_zero_point if x_zero_point.is_floating_point() else x_zero_point.to(torch.float32)
     if w_clip_mask is None:
         w_clip_mask = True  # a min-max scale never clips: callers holding one may pass False
-    args = (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
-            x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
-    if backends.eager_cpu((x, weight, bias, x_scale, x_zero_point, w_scale)):
-        y = _cpp_step(*args)
-        if y is not None:
-            return y
+    tensors = (x, weight, bias, x_scale, x_zero_point, w_scale)
+    learned = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad) or w_scale.requires_grad
+    s_x = z = None
+    O, Cg, kh, kw = weight.shape
+    empty, K = False, 0
+    eager = backends.eager_cpu(tensors)
+    if eager:  # the facts the C++ step needs (not read while tracing: no guards on them)
+        empty, K = not (x.numel() and O), x.shape[1] * kh * kw
+        if not (x_dynamic or learned):  # what it takes as numbers
+            s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
+    spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
+                    x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K)
+    b = backends.select("conv_step", *tensors, spec=spec, eager=eager)
+    return b.conv_step(x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation,
+                       spec, s_x, z)
+
+
+class ConvStep(NamedTuple):
+    """One int_conv2d call's scalar options and the facts the table decides the step from (as int_linear's
+    LinearStep): empty: no input elements or no output channels; fits_one_fp32_conv: a group's C/g * kh * kw
+    terms fit _EXACT_FP32_TERMS; K: C * kh * kw."""
+
+    x_qmin: int
+    x_qmax: int
+    w_qmin: int
+    w_qmax: int
+    x_dynamic: bool
+    w_clip_mask: bool
+    groups: int
+    learned: bool
+    x_scale_float32: bool
+    finite: bool
+    empty: bool
+    fits_one_fp32_conv: bool
+    K: int
+
+
+def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,
+                 z_x) -> Tensor:
+    """The reference backend's `conv_step`: the custom op while a tracer watches, else `_IntConv2dEager`."""
+    args = (x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec.groups,
+            spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax, spec.x_dynamic, spec.w_clip_mask)
     eager = not backends.tracing(x, weight, bias, x_scale, x_zero_point, w_scale)
     return (_IntConv2dEager.apply if eager else _int_conv2d_op)(*args)[0]
 
 
-def _cpp_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups, x_qmin, x_qmax,
-              w_qmin, w_qmax, x_dynamic, w_clip_mask) -> Tensor | None:
-    """The step through the C++ op (intqat.ops.cpp_step: the same steps, one call each way) where it may run,
-    else None: eager plain CPU tensors (checked by the caller), static activations, no learned scales."""
-    if (x_dynamic or w_scale.requires_grad or x_scale.requires_grad or x_zero_point.requires_grad
-            or x_scale.dtype != torch.float32 or not x.numel()):
-        return None
-    O, Cg, kh, kw = weight.shape
-    gemm = cpp_step.conv_plan(groups, Cg * kh * kw, x.shape[1] * kh * kw) if O else None
-    if gemm is None:
-        return None
-    s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
-    if z is None or s_x != s_x:
-        return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_step.run_conv(gemm, x, weight, bias, w_scale, s_x, z, stride, padding, dilation, groups, x_qmin,
-                             x_qmax, w_qmin, w_qmax, w_clip_mask)
+Reference.define("conv_step", _python_step)

@@ -15,9 +15,11 @@ into three int8 digits (intqat.ops.digit_gemm): grad_x where int8 dot products p
 AMX; grad_gemm="fp32" keeps both GEMMs in fp32.
 plus LSQ gradients for learnable scales and the LSQ+ gradient for the activation zero point.
 
-`intqat::int_linear` is one torch.library custom op with `register_autograd`, so torch.compile and
-torch.export see a single opaque node. Eager calls skip torch.library's dispatch through an
-autograd.Function that runs the same forward / backward functions (`_IntLinearEager`). The functions `quantize_activation`, `quantize_weight`
+`intqat::int_linear` is one torch.library custom op with autograd, so torch.compile and torch.export see a
+single opaque node; eager calls skip torch.library's dispatch through an autograd.Function over the same
+forward / backward functions. Both come from the formulas below through `op_outline.IntegerOp` (LINEAR), the
+scalar options as one LinearSpec. Which path a call takes is the backend table's decision (`linear_step`: the
+C++ op, backend cpp_step, or this Python path, the reference's). The functions `quantize_activation`, `quantize_weight`
 and `integer_epilogue` are what both the op and the deployed (eval / exported) module run, so
 training and deployment compute the same numbers.
 """
@@ -27,11 +29,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from intqat.ops import backends, cpp_step
+from typing import NamedTuple
+
+from intqat.ops import backends
 from intqat.ops.backends import MAX_K_INT32
+from intqat.ops.backends.reference import Reference
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.masks import pack_mask, unpack_mask
-from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, weight_scale_grad
+from intqat.ops.op_outline import IntegerOp
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange
 
@@ -169,32 +175,32 @@ def integer_linear(q_x: Tensor, q_w: Tensor, z_x: Tensor | None, w_colsum: Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def _int_linear_forward(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    x_scale: Tensor,
-    x_zero_point: Tensor,
-    w_scale: Tensor | None,
-    x_qmin: int,
-    x_qmax: int,
-    w_qmin: int,
-    w_qmax: int,
-    x_dynamic: bool,
-    x_clip_mask: bool,
-    w_clip_mask: bool,
-    grad_gemm: str = "int8x3",  # read by the backward only
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+class LinearSpec(NamedTuple):
+    """int_linear's scalar options, as one value; the op schema's plain arguments, in this order (op_outline)."""
+
+    x_qmin: int
+    x_qmax: int
+    w_qmin: int
+    w_qmax: int
+    x_dynamic: bool
+    x_clip_mask: bool  # keep the activation clip mask for backward (static activations)
+    w_clip_mask: bool
+    grad_gemm: str = "int8x3"  # read by the backward only
+
+
+def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor,
+             w_scale: Tensor | None, spec: LinearSpec) -> tuple[Tensor, ...]:
     """-> (y (M, N) fp32, q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x int32 (1,), s_w (N,)).
 
     Masks are (M, K) / (N, K) bool when requested, else empty: the backward reads only what it needs.
     s_w is w_scale, or the min-max scale computed here when w_scale is None.
     """
-    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
-    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, x_clip_mask)
-    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
+    x_dynamic = spec.x_dynamic
+    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, spec.x_qmin, spec.x_qmax)
+    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, spec.x_qmin, spec.x_qmax, x_dynamic, spec.x_clip_mask)
+    w_clip_mask = spec.w_clip_mask and w_scale is not None  # a min-max scale never clips
     # dynamic activations are symmetric: no zero-point correction, no colsum
-    q_w, mask_w, w_colsum, s_w = quantize_weight(weight, w_scale, w_qmin, w_qmax, need_mask=w_clip_mask,
+    q_w, mask_w, w_colsum, s_w = quantize_weight(weight, w_scale, spec.w_qmin, spec.w_qmax, need_mask=w_clip_mask,
                                                  need_colsum=not x_dynamic)
     s_w = s_w.to(torch.float32, copy=w_scale is not None)  # an output may not alias an input
     y = integer_linear(q_x, q_w, None if x_dynamic else z_x, w_colsum, s_x, s_w,
@@ -203,36 +209,12 @@ def _int_linear_forward(
     return (y, q_x, empty if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _no_mask(x), s_x, z_x, s_w)
 
 
-@torch.library.custom_op("intqat::int_linear", mutates_args=())
-def _int_linear_op(
-    x: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    x_scale: Tensor,
-    x_zero_point: Tensor,
-    w_scale: Tensor | None,
-    x_qmin: int,
-    x_qmax: int,
-    w_qmin: int,
-    w_qmax: int,
-    x_dynamic: bool,
-    x_clip_mask: bool,
-    w_clip_mask: bool,
-    grad_gemm: str = "int8x3",
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The op torch.compile / torch.export / opcheck see; outputs as `_int_linear_forward`."""
-    return _int_linear_forward(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax,
-                               x_dynamic, x_clip_mask, w_clip_mask)
-
-
-@_int_linear_op.register_fake
-def _(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, x_clip_mask, w_clip_mask,
-      grad_gemm="int8x3"):
+def _fake(x, weight, bias, x_scale, x_zero_point, w_scale, spec: LinearSpec):
     M, K = x.shape
     N = weight.shape[0]
-    mask_x = x.new_empty((M, K) if (x_clip_mask and not x_dynamic) else (0,), dtype=torch.bool)
-    mask_w = x.new_empty((N, K) if (w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool)
-    s_x = x.new_empty((M, 1) if x_dynamic else (1, 1), dtype=torch.float32)
+    mask_x = x.new_empty((M, K) if (spec.x_clip_mask and not spec.x_dynamic) else (0,), dtype=torch.bool)
+    mask_w = x.new_empty((N, K) if (spec.w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool)
+    s_x = x.new_empty((M, 1) if spec.x_dynamic else (1, 1), dtype=torch.float32)
     return (
         x.new_empty((M, N), dtype=torch.float32),
         x.new_empty((M, K), dtype=torch.int8),
@@ -249,11 +231,10 @@ def _packed(mask: Tensor) -> Tensor:
     return pack_mask(mask) if mask.numel() else mask  # no mask (nothing clips): nothing to pack
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _, _, *rest = inputs
-    grad_gemm = rest[0] if rest else "int8x3"  # the schema's default, when a caller leaves it out
+def _save(ctx, tensors, spec: LinearSpec, output):
+    x, weight, bias, x_scale, x_zero_point, w_scale = tensors
     _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
-    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    x_lsq = not spec.x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale is not None and w_scale.requires_grad
     # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
     # the clip masks as bits (intqat.ops.masks): 1/8 of the bytes of the bool masks
@@ -262,18 +243,19 @@ def _setup_context(ctx, inputs, output):
         q_x, _packed(mask_x), q_w, _packed(mask_w), s_x, z_x, s_w,
         x if x_lsq else None, weight if w_lsq else None,
     )
-    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.ranges = (spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax)
     ctx.x_lsq, ctx.w_lsq = x_lsq, w_lsq
     ctx.has_bias = bias is not None
-    ctx.grad_gemm = grad_gemm
+    ctx.grad_gemm = spec.grad_gemm
     ctx.x_scale_shape = x_scale.shape
     ctx.x_zero_point_shape = x_zero_point.shape
     ctx.w_scale_shape = None if w_scale is None else w_scale.shape
 
 
 def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
+    """-> the gradients of (x, weight, bias, x_scale, x_zero_point, w_scale)."""
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
-        return (None,) * 14
+        return (None,) * 6
     q_x, bits_x, q_w, bits_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
     # the clip masks stay bits where the plain fp32 path applies them (`_mask_zero_bits_`); the digit GEMM,
     # Triton and the LSQ terms take them as bool tensors (unpacked here, empty when nothing clips)
@@ -336,14 +318,12 @@ def _backward(ctx, g, _gq_x, _gmask_x, _gq_w, _gmask_w, _gs_x, _gz_x, _gs_w):
             if fused_ste is not None:
                 grad_sw = grad_sw_raw.reshape(ctx.w_scale_shape)
             else:
-                m = mask_w.bool() if mask_w else torch.ones_like(q_w, dtype=torch.bool)
-                s = w_scale.reshape(-1, 1)
-                ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), s, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
-                gf = lsq_grad_factor(q_w.shape[1], w_qmax)
-                grad_sw = ((grad_what * ds).sum(dim=1) * gf).reshape(ctx.w_scale_shape)
+                m = mask_w.bool() if mask_w else mask_w.bits  # (empty: nothing clipped)
+                grad_sw = weight_scale_grad(grad_what, q_w, m, weight, w_scale.reshape(-1, 1), w_qmin, w_qmax)
+                grad_sw = grad_sw.reshape(ctx.w_scale_shape)
     if need_b and ctx.has_bias:
         grad_b = g.sum(dim=0)
-    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw
 
 
 def _dequantized(q: Tensor, scale: Tensor, z, per_row: bool, role: str) -> Tensor:
@@ -379,29 +359,30 @@ def _mask_zero_bits_(g: Tensor, bits: Tensor) -> Tensor:
     return backends.select("mask_zero_packed_", g, bits).mask_zero_packed_(g, bits)
 
 
-torch.library.register_autograd("intqat::int_linear", _backward, setup_context=_setup_context)
+LINEAR = IntegerOp("intqat::int_linear", tensors=("x", "weight", "bias?", "x_scale", "x_zero_point", "w_scale?"),
+                   spec=LinearSpec, outputs=8, forward=_forward, fake=_fake, save=_save, backward=_backward,
+                   eager_name="_IntLinearEager")
+_int_linear_op = LINEAR.op  # the custom op (torch.ops.intqat.int_linear)
 
 
-class _IntLinearEager(torch.autograd.Function):
-    """The eager path: the same forward, context and backward as the custom op, without
-    torch.library's Python dispatch around them. Taken only outside tracing (see `_eager_ok`)."""
+class LinearStep(NamedTuple):
+    """One int_linear call: its options (`op`) and the facts the table decides the step from (hashable: part of
+    its cache key). learned: an LSQ scale or zero point requires grad; finite: the static activation scale and
+    zero point are not NaN (read only for eager CPU calls)."""
 
-    @staticmethod
-    def forward(ctx, *args):  # the (ctx, *args) form: apply() skips binding a signature per call
-        output = _int_linear_forward(*args)
-        _setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*output[1:])  # codes, masks, scales: no gradient flows back
-        ctx.set_materialize_grads(False)  # and no zero tensors are made for them
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+    op: LinearSpec
+    w_scale_given: bool
+    learned: bool
+    x_scale_float32: bool
+    finite: bool
 
 
-def _eager_ok(*tensors: Tensor | None) -> bool:
-    """True when nothing traces this call (`backends.tracing`): tracers must see the custom op, one node."""
-    return not backends.tracing(*tensors)
+def _python_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec: LinearStep, s_x, z_x) -> Tensor:
+    """The reference backend's `linear_step`: the op's Python path (the custom op while a tracer watches)."""
+    return LINEAR(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec=spec.op)[0]
+
+
+Reference.define("linear_step", _python_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -483,34 +464,17 @@ def int_linear(
     # row-major on every backend: the codes and x_hat the backward multiplies keep one layout, so the fp32
     # GEMMs sum in the same order everywhere (a permuted x gave the reference another grad_w, 1 ulp)
     x2d = (x if flat else x.reshape(-1, x.shape[-1])).to(torch.float32).contiguous()
-    y = None
-    if backends.eager_cpu((x2d, weight, bias, x_scale, x_zero_point, w_scale)):
-        y = _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-                      w_clip_mask, grad_gemm)
-    if y is None:
-        args = (x2d, weight, bias, x_scale, x_zero_point, w_scale,
-                x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
-        y = (_IntLinearEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _int_linear_op)(*args)[0]
-    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def _cpp_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-              w_clip_mask, grad_gemm) -> Tensor | None:
-    """The step through the C++ op (intqat.ops.cpp_step: the same kernels, one call each way) where
-    it may run, else None. Eager plain CPU tensors only (checked by the caller); not with learned scales."""
-    if (w_scale is not None and w_scale.requires_grad) or (
-            not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad or x_scale.dtype != torch.float32)):
-        return None  # LSQ: its gradients are the Python path's
-    M, K = x2d.shape
-    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
-    plan = cpp_step.plan(M, K, weight.shape[0], x_dynamic, w_scale is not None, w_clip_mask, grad_gemm)
-    if plan is None:
-        return None
-    if x_dynamic:
-        s_x, z = 0.0, 0
-    else:
+    tensors = (x2d, weight, bias, x_scale, x_zero_point, w_scale)
+    learned = (w_scale is not None and w_scale.requires_grad) or (
+        not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad))
+    s_x = z = None
+    eager = backends.eager_cpu(tensors)
+    if eager and not (x_dynamic or learned):  # what the C++ step takes as numbers
         s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
-        if z is None or s_x != s_x:
-            return None  # a NaN zero point or scale: the Python path says what torch says
-    return cpp_step.run(plan, x2d, weight, bias, w_scale, s_x, z, x_qmin, x_qmax, w_qmin, w_qmax,
-                          x_dynamic, w_clip_mask)
+    op = LinearSpec(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, not x_dynamic, w_clip_mask, grad_gemm)
+    spec = LinearStep(op, w_scale is not None, learned, x_dynamic or x_scale.dtype == torch.float32,
+                      s_x is None or (s_x == s_x and z is not None))
+    M, K = x2d.shape
+    b = backends.select("linear_step", *tensors, shape=(M, K, weight.shape[0]), spec=spec, eager=eager)
+    y = b.linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)
+    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])

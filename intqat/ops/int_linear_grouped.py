@@ -25,11 +25,14 @@ Where the forward runs:
   magnitude <= group_size * 2^14 <= 2^24 (NUMERICS.md, last section), then the sum over groups as
   G - 1 explicit adds, which fixes their order;
 - CUDA / INTQAT_BACKEND=triton: kernels/int_gemm_grouped.py (scales applied inside its K loop).
-`intqat::int_linear_grouped` is one torch.library custom op (export / compile see one node);
-eager calls go through `_GroupedEager`, the same forward and backward without the dispatch.
+`intqat::int_linear_grouped` is one torch.library custom op (export / compile see one node); eager calls go
+through `_GroupedEager`, the same forward and backward without the dispatch: both built from the formulas
+below by `op_outline.IntegerOp` (GROUPED), the scalar options as one GroupedSpec.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -37,7 +40,8 @@ from torch import Tensor
 from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point
-from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.lsq import activation_lsq_grads, weight_scale_grad
+from intqat.ops.op_outline import IntegerOp
 from intqat.ops.masks import pack_mask, unpack_mask
 from intqat.ops.qparams import SCALE_EPS
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
@@ -160,11 +164,6 @@ def grouped_reference(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None,
     return y + bias.to(torch.float32) if bias is not None else y
 
 
-def _eager_ok(*tensors: Tensor | None) -> bool:
-    """True when nothing traces this call (`backends.tracing`): tracers must see the custom op, one node."""
-    return not backends.tracing(*tensors)
-
-
 def grouped_integer_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,
                            bias: Tensor | None) -> Tensor:
     """y (M, N) fp32 from q_x (M, K) int8, q_w (N, K) int8, s_w (N, G), z_x (1,) int32 or None
@@ -188,43 +187,45 @@ def _empty(like: Tensor) -> Tensor:
     return torch.empty(0, dtype=torch.bool, device=like.device)  # outputs may not alias each other
 
 
+class GroupedSpec(NamedTuple):
+    """int_linear_grouped's scalar options, as one value; the op schema's plain arguments, in this order."""
+
+    group_size: int
+    x_qmin: int
+    x_qmax: int
+    w_qmin: int
+    w_qmax: int
+    x_dynamic: bool
+    w_clip_mask: bool
+
+
 def _forward(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor,
-             w_scale: Tensor | None, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
-             x_dynamic: bool, w_clip_mask: bool):
+             w_scale: Tensor | None, spec: GroupedSpec):
     """-> (y (M, N), q_x (M, K) int8, mask_x, q_w (N, K) int8, mask_w, s_x, z_x (1,) int32, s_w (N, G))."""
-    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, x_qmin, x_qmax)
-    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, x_qmin, x_qmax, x_dynamic, not x_dynamic)
-    w_clip_mask = w_clip_mask and w_scale is not None  # a min-max scale never clips
-    q_w, mask_w, s_w = quantize_weight_grouped(weight, w_scale, group_size, w_qmin, w_qmax, need_mask=w_clip_mask)
+    x_dynamic = spec.x_dynamic
+    z_x = torch.zeros(1, dtype=torch.int32) if x_dynamic else rounded_zero_point(x_zero_point, spec.x_qmin, spec.x_qmax)
+    q_x, mask_x, s_x = quantize_activation(x, x_scale, z_x, spec.x_qmin, spec.x_qmax, x_dynamic, not x_dynamic)
+    w_clip_mask = spec.w_clip_mask and w_scale is not None  # a min-max scale never clips
+    q_w, mask_w, s_w = quantize_weight_grouped(weight, w_scale, spec.group_size, spec.w_qmin, spec.w_qmax,
+                                               need_mask=w_clip_mask)
     s_w = s_w.to(torch.float32, copy=True)  # an output may not alias an input
     b = None if bias is None else bias.detach()
     y = grouped_integer_linear(q_x, q_w, s_w, None if x_dynamic else z_x, s_x, b)
     return (y, q_x, _empty(x) if mask_x is None else mask_x, q_w, mask_w if w_clip_mask else _empty(x), s_x, z_x, s_w)
 
 
-@torch.library.custom_op("intqat::int_linear_grouped", mutates_args=())
-def _op(x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor,
-        w_scale: Tensor | None, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
-        x_dynamic: bool, w_clip_mask: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The node torch.compile / torch.export / opcheck see; outputs as `_forward`."""
-    return _forward(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax,
-                    x_dynamic, w_clip_mask)
-
-
-@_op.register_fake
-def _(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-      w_clip_mask):
+def _fake(x, weight, bias, x_scale, x_zero_point, w_scale, spec: GroupedSpec):
     M, K = x.shape
     N = weight.shape[0]
     return (
         x.new_empty((M, N), dtype=torch.float32),
         x.new_empty((M, K), dtype=torch.int8),
-        x.new_empty((0,) if x_dynamic else (M, K), dtype=torch.bool),
+        x.new_empty((0,) if spec.x_dynamic else (M, K), dtype=torch.bool),
         x.new_empty((N, K), dtype=torch.int8),
-        x.new_empty((N, K) if (w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool),
-        x.new_empty((M, 1) if x_dynamic else (1, 1), dtype=torch.float32),
+        x.new_empty((N, K) if (spec.w_clip_mask and w_scale is not None) else (0,), dtype=torch.bool),
+        x.new_empty((M, 1) if spec.x_dynamic else (1, 1), dtype=torch.float32),
         x.new_empty((1,), dtype=torch.int32),
-        x.new_empty((N, K // group_size), dtype=torch.float32),
+        x.new_empty((N, K // spec.group_size), dtype=torch.float32),
     )
 
 
@@ -232,10 +233,10 @@ def _packed(mask: Tensor) -> Tensor:
     return pack_mask(mask) if mask.numel() else mask  # bool (...) -> uint8 (ceil(n / 8),); empty stays empty
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _ = inputs
+def _save(ctx, tensors, spec: GroupedSpec, output):
+    x, weight, bias, x_scale, x_zero_point, w_scale = tensors
     _, q_x, mask_x, q_w, mask_w, s_x, z_x, s_w = output
-    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    x_lsq = not spec.x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale is not None and w_scale.requires_grad
     # LSQ's in-range scale gradient (x_hat - x) / s needs x itself: saved only when a scale is learned.
     # The clip masks as bits (intqat.ops.masks, as int_linear does): 1/8 of the bytes of the bool masks;
@@ -243,14 +244,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mask_shapes = (mask_x.shape, mask_w.shape)
     ctx.save_for_backward(q_x, _packed(mask_x), q_w, _packed(mask_w), s_x, z_x, s_w, x if x_lsq else None,
                           weight if w_lsq else None)
-    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.ranges = (spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax)
     ctx.x_lsq, ctx.w_lsq, ctx.has_bias = x_lsq, w_lsq, bias is not None
     ctx.shapes = (x_scale.shape, x_zero_point.shape, None if w_scale is None else w_scale.shape)
 
 
 def _backward(ctx, g, *_unused):
+    """-> the gradients of (x, weight, bias, x_scale, x_zero_point, w_scale)."""
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
-        return (None,) * 13
+        return (None,) * 6
     q_x, mask_x, q_w, mask_w, s_x, z_x, s_w, x, weight = ctx.saved_tensors
     mask_x, mask_w = (unpack_mask(m, shape) if m.numel() else m for m, shape in zip((mask_x, mask_w), ctx.mask_shapes))
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
@@ -279,35 +281,19 @@ def _backward(ctx, g, *_unused):
         if need_sw:
             N, K = q_w.shape
             G = s_w.shape[1]
-            m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
-            s = s_w.reshape(N, G, 1)
-            ds = lsq_scale_grad_elem(q_w.reshape(N, G, K // G), m.reshape(N, G, K // G),
-                                     weight.detach().to(torch.float32).reshape(N, G, K // G), s,
-                                     torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
-            gf = lsq_grad_factor(K // G, w_qmax)
-            grad_sw = ((grad_what.reshape(N, G, K // G) * ds).sum(dim=2) * gf).reshape(sw_shape)
+            per_group = lambda t: t.reshape(N, G, K // G)  # noqa: E731 (each group one row of scale)
+            m = per_group(mask_w) if mask_w.numel() else mask_w
+            grad_sw = weight_scale_grad(per_group(grad_what), per_group(q_w), m, per_group(weight), s_w.reshape(N, G, 1),
+                                        w_qmin, w_qmax).reshape(sw_shape)
     if need_b and ctx.has_bias:
         grad_b = g.sum(dim=0)
-    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw, None, None, None, None, None, None, None
+    return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw
 
 
-torch.library.register_autograd("intqat::int_linear_grouped", _backward, setup_context=_setup_context)
-
-
-class _GroupedEager(torch.autograd.Function):
-    """The eager path: `_forward`, `_setup_context` and `_backward` without torch.library's dispatch."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        output = _forward(*args)
-        _setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+GROUPED = IntegerOp("intqat::int_linear_grouped",
+                    tensors=("x", "weight", "bias?", "x_scale", "x_zero_point", "w_scale?"), spec=GroupedSpec,
+                    outputs=8, forward=_forward, fake=_fake, save=_save, backward=_backward, eager_name="_GroupedEager")
+_op = GROUPED.op  # the custom op (torch.ops.intqat.int_linear_grouped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +362,5 @@ def int_linear_grouped(
         x_zero_point = x_zero_point.to(torch.float32)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    args = (x2d, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_qmin, x_qmax, w_qmin, w_qmax,
-            x_dynamic, w_clip_mask)
-    fn = _GroupedEager.apply if _eager_ok(x2d, weight, bias, x_scale, x_zero_point, w_scale) else _op
-    return fn(*args)[0].reshape(*lead, weight.shape[0])
+    spec = GroupedSpec(group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
+    return GROUPED(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec=spec)[0].reshape(*lead, weight.shape[0])

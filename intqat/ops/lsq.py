@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["lsq_grad_factor", "lsq_scale_grad_elem", "activation_lsq_grads"]
+__all__ = ["lsq_grad_factor", "lsq_scale_grad_elem", "activation_lsq_grads", "weight_scale_grad"]
 
 
 def lsq_grad_factor(n: int, qmax: int) -> float:
@@ -49,3 +49,15 @@ def activation_lsq_grads(grad_xhat: Tensor, q_x: Tensor, mask_x: Tensor, x: Tens
     if need_z:  # LSQ+: d x_hat / d z = 0 inside the range, -s outside
         grad_z = -(grad_xhat * ~m).sum() * s * gf
     return grad_s, grad_z
+
+
+def weight_scale_grad(grad_what: Tensor, q_w: Tensor, mask_w: Tensor, weight: Tensor, scale: Tensor, qmin: int,
+                      qmax: int) -> Tensor:
+    """The LSQ gradient of symmetric weight scales (z = 0), one scale per row of the last dim: grad_what = dL/dw_hat,
+    the codes q_w, the clip mask (empty: nothing clipped) and the weight, all (..., n); scale (..., 1) -> (...):
+    sum_n(grad_what * d w_hat / d s) * lsq_grad_factor(n, qmax). Per channel: (N, K) with (N, 1); per group:
+    (N, G, group_size) with (N, G, 1)."""
+    m = mask_w if mask_w.numel() else torch.ones_like(q_w, dtype=torch.bool)
+    ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), scale, torch.zeros((), dtype=torch.int32),
+                             qmin, qmax)
+    return (grad_what * ds).sum(dim=-1) * lsq_grad_factor(q_w.shape[-1], qmax)

@@ -188,6 +188,11 @@ class LMQuantReport(L.Callback):
         if any(isinstance(m, FAKE_QUANT_TYPES + INTEGER_TYPES) for m in model.modules()):
             raise RuntimeError(f"LMQuantReport(fork_at={self.fork_at}): the model is already quantized at that step; "
                                "fork_at must be IntQAT's prepare_at (in steps)")
+        from intqat.distributed.fsdp import is_sharded
+
+        if is_sharded(model):  # (FSDP2 refuses deepcopy; a sharded twin would need its own mesh and optimizer shards)
+            raise RuntimeError("LMQuantReport forks an fp32 twin by copying the model, which FSDP2 (fully_shard) does not "
+                               "allow: run the report without sharding, or turn it off (callbacks.lm_report=null)")
         self._fork_model = copy.deepcopy(model)
         self.twin = copy.deepcopy(model)
         hp = pl_module.hparams

@@ -1,20 +1,25 @@
-"""The backend table: which implementation runs each integer primitive, chosen per call.
+"""The backend table: the one place that decides which implementation runs each integer primitive, per call.
 
     TABLE (priority order)   needs                                        implements
-    triton                   CUDA tensors (or forced: the interpreter)    int_mm, linear, STE backward GEMMs
+    triton                   CUDA tensors (or forced: the interpreter)    int_mm, linear, linear_grouped, STE backward GEMMs
+    cpp_step                 the C++ training ops (built on first use)    linear_step, conv_step: a whole training step in
+                                                                          one C++ autograd op (cpu_fused / avx2_int16 kernels)
     amx                      AMX-INT8 tiles                               linear (large layers), digit_matmul
     cpu_fused                the C kernels; GEMMs: int8 dot-product units GEMMs via torch._int_mm, every elementwise pass
-    avx2_int16               AVX2 (x86)                                   int_mm, linear (exact int16 multiply-adds)
+    avx2_int16               AVX2 (x86)                                   int_mm, linear, linear_grouped (int16 multiply-adds)
     fp32_exact               fp32 only                                    int_mm, linear, digit_matmul (exact fp32 GEMMs of the codes)
-    reference                torch                                        everything: the definition
+    reference                torch                                        everything: the definition; the ops' Python paths
 
-`select(primitive, *tensors)` returns the first backend that implements the primitive, can take the
-call (`Backend.refuse`: device, tracing, layout) and is not slow for it on this CPU (`Backend.slow`:
-CPU features, the shapes where a kernel measured faster). So on a CPU without int8
-dot products the GEMMs fall to avx2_int16 (or fp32_exact without AVX2: torch._int_mm is a scalar
-loop there) while the
-elementwise passes stay on cpu_fused; under torch.compile / torch.export only the traceable
-reference (and triton) remain, so programs hold portable aten ops.
+`select(primitive, *tensors, shape=, spec=)` returns the first backend that implements the primitive, takes the
+call (`Backend.refuse`: device, tracing, layout, shape, options, a library GEMM that failed its self-check, a
+fused step whose primitives the table puts elsewhere) and is not slow for it on this CPU (`Backend.slow`: CPU
+capabilities, and the shapes where a kernel measured faster, as named constants beside the backend). So on a
+CPU without int8 dot products the GEMMs fall to avx2_int16 (or fp32_exact without AVX2) while the elementwise
+passes stay on cpu_fused; under torch.compile / torch.export only the traceable reference (and triton) remain,
+so programs hold portable aten ops. No backend falls back inside its own methods: a call it cannot do well is
+refused with the reason, so `recording()` names the backend that really ran. `explain(primitive, ...)` prints
+every backend's verdict; `fast(primitive, shape, spec)` answers "does the backend that would run it call this
+shape fast?" (the digit backward's rule: `digit_gemm.digits_pay`).
 
 Trust: a backend that calls a library GEMM (torch._int_mm: cpu_fused and the C++ training ops; the fp32
 GEMM: fp32_exact) refuses it where that GEMM failed its self-check (`self_check.untrusted`: run once per
@@ -22,7 +27,7 @@ process on worst-case operands against exact int64 sums; e.g. ONEDNN_MAX_CPU_ISA
 torch._int_mm wrong), and the next backend runs. The reference's own GEMMs use none of them (`exact.py`).
 
 `use_backend(name)` forces one backend for the primitives it implements (tests, benchmarks), slow
-or not: a call it cannot take (say, under tracing) still falls through the table, and `choices()` /
+or not: a call it refuses (say, under tracing) still falls through the table, and `choices()` /
 `recording()` tell which backend ran each primitive. INTQAT_BACKEND=<name>, read once at import,
 forces one for the whole process.
 """
@@ -35,27 +40,31 @@ import os
 
 from torch import Tensor
 
+from intqat.ops import cpp_step as cpp_ops
 from intqat.ops import cpu_kernels
 from intqat.ops.backends import self_check
 from intqat.ops.backends.amx import Amx, amx_forward_pays
 from intqat.ops.backends.avx2_int16 import Avx2Int16
-from intqat.ops.backends.base import Backend, eager_cpu, plain_cpu, tracing
+from intqat.ops.backends.base import Backend, TableView, eager_cpu, plain_cpu, tracing
+from intqat.ops.backends.cpp_step import CppStep
 from intqat.ops.backends.cpu_fused import CpuFused
 from intqat.ops.backends.fp32_exact import EXACT_K, Fp32Exact
 from intqat.ops.backends.reference import MAX_K_INT32, Reference
 from intqat.ops.backends.triton import Triton
 
 __all__ = [
-    "Backend", "TABLE", "MAX_K_INT32", "EXACT_K", "select", "use_backend", "forced", "get", "names",
-    "unavailable", "note_ran", "choices", "recording", "summary", "tracing", "plain_cpu", "amx_forward_pays",
-    "self_check",
+    "Backend", "TABLE", "MAX_K_INT32", "EXACT_K", "select", "fast", "explain", "use_backend", "forced", "get",
+    "names", "unavailable", "note_ran", "choices", "recording", "summary", "tracing", "plain_cpu", "eager_cpu",
+    "amx_forward_pays", "self_check",
 ]
 
-TABLE: tuple[Backend, ...] = (Triton(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
+TABLE: tuple[Backend, ...] = (Triton(), CppStep(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
 _BY_NAME = {b.name: b for b in TABLE}
 _forced: list[str] = []
 _last: dict[str, str] = {}
 _recorders: list[collections.Counter] = []
+# primitives whose refusals read the operands' shapes and strides: those go into the cache key of eager calls
+_BY_LAYOUT = frozenset({"int_mm", "linear", "epilogue", "digit_matmul", "linear_grouped"})
 
 
 def names() -> tuple[str, ...]:
@@ -96,47 +105,118 @@ def use_backend(name: str):
         _forced.pop()
 
 
-def select(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | None = None,
-           record: bool = True, at_run_time: bool = False) -> Backend | None:
-    """The backend that runs `primitive` on these tensors (shape: the GEMM's (M, K, N) where a
-    backend's choice depends on it). None only for primitives the reference does not implement
-    (the Triton-only fused STE backward). record=False: a question, not a call (not counted).
-    at_run_time: the backend an eager run on plain CPU tensors would take, even while tracing (a
-    traced graph that holds an opaque op choosing its kernels when it runs asks this)."""
+def _state() -> tuple:
+    """What a decision depends on besides the call: the forced backend and the kernels' off switches."""
+    return _forced[-1] if _forced else None, cpu_kernels.disabled_depth(), cpp_ops.disabled_depth()
+
+
+def select(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | None = None, spec=None,
+           record: bool = True, at_run_time: bool = False, eager: bool | None = None) -> Backend | None:
+    """The backend that runs `primitive` on these tensors. shape: the GEMM's (M, K, N) where a backend's choice
+    depends on it; spec: the call's scalar options (hashable: part of the cache key). None only for primitives
+    the reference does not implement (the Triton-only fused STE backward). record=False: a question, not a call
+    (not counted). at_run_time: the backend an eager run on plain CPU tensors would take, even while tracing (a
+    traced graph that holds an opaque op choosing its kernels when it runs asks this). eager: `eager_cpu(tensors)`
+    where the caller computed it already (the training steps' hot path)."""
     if at_run_time:
         tensors = ()
     key = None
-    if at_run_time or eager_cpu(tensors):
-        # eager CPU calls (the hot path: ~10 per layer and step) decide from what the key holds:
-        # the forced backend, whether the C kernels are switched off, and for the GEMMs (whose
-        # backends look at them) the shape and the layout
-        key = (primitive, _forced[-1] if _forced else None, cpu_kernels.disabled_depth(), shape,
-               shape is not None and all(t is None or t.is_contiguous() for t in tensors))
-        chosen = _decided.get(key)
-        if chosen is not None:
+    if at_run_time or (eager if eager is not None else eager_cpu(tensors)):
+        # eager CPU calls (the hot path: ~10 per layer and step) decide from what the key holds: the call's
+        # shape and options, the forced backend and the off switches, and for the GEMMs (whose refusals read
+        # them) the operands' shapes and strides
+        layout = (tuple(None if t is None else (t.shape, t.stride()) for t in tensors)
+                  if primitive in _BY_LAYOUT else None)
+        key = (primitive, _forced[-1] if _forced else None, cpu_kernels.disabled_depth(), cpp_ops.disabled_depth(),
+               shape, spec, layout)
+        chosen = _decided.get(key, _UNDECIDED)
+        if chosen is not _UNDECIDED:
             return _note(primitive, chosen, record)
         traced = False
     else:
         traced = tracing(*tensors)
-    chosen = _choose(primitive, tensors, shape, traced)
-    if chosen is not None and key is not None and len(_decided) < 4096:
-        _decided[key] = chosen
+    chosen = _choose(primitive, tensors, shape, spec, traced)
+    if key is not None and len(_decided) < 4096:
+        _decided[key] = chosen  # (None too: "only Triton implements it" is asked on every backward)
     return _note(primitive, chosen, record and not traced)  # a traced call runs later, as its graph
 
 
-_decided: dict[tuple, Backend] = {}
+_decided: dict[tuple, Backend | None] = {}
+_UNDECIDED = object()
 
 
-def _choose(primitive, tensors, shape, traced) -> Backend | None:
+def _verdict(b: Backend, primitive, tensors, shape, spec, traced, forced_here: bool) -> str | None:
+    """None if backend b takes this call, else why not (the table's one rule, used by select and explain)."""
+    if primitive not in b.primitives:
+        return "does not implement it"
+    reason = b.refuse(primitive, tensors, shape, traced, spec)
+    if reason is not None:
+        return f"refuses: {reason}"
+    if not forced_here:
+        reason = b.slow(primitive, shape, spec)
+        if reason is not None:
+            return f"slow here: {reason}"
+    return None
+
+
+def _choose(primitive, tensors, shape, spec, traced) -> Backend | None:
     if _forced:
         b = _BY_NAME[_forced[-1]]
-        if primitive in b.primitives and b.refuse(primitive, tensors, shape, traced) is None:
+        if _verdict(b, primitive, tensors, shape, spec, traced, True) is None:
             return b
     for b in TABLE:
-        if (primitive in b.primitives and b.refuse(primitive, tensors, shape, traced) is None
-                and b.slow(primitive, shape) is None):
+        if _verdict(b, primitive, tensors, shape, spec, traced, False) is None:
             return b
     return None
+
+
+def fast(primitive: str, shape: tuple[int, ...], spec=None) -> bool:
+    """Does the backend an eager run would take for `primitive` (forced or not) call this shape fast (`slow` None)?
+
+    The question an op asks before it picks an algorithm a backend makes worthwhile: the backward GEMM as
+    digits (`digit_gemm.digits_pay`: spec 'x' or 'w'); asked while tracing too (the opaque ops decide as eager)."""
+    b = select(primitive, record=False, at_run_time=True)
+    return b is not None and b.slow(primitive, shape, spec) is None
+
+
+def explain(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | None = None, spec=None,
+            at_run_time: bool = False, file=None) -> str:
+    """Print (and return) every backend's verdict on this call, in the table's order, and which one runs it.
+
+        >>> intqat.ops.explain("linear", q_x, q_w, s_x, s_w, shape=(256, 1024, 1024))
+        linear on 2 tensors, shape (256, 1024, 1024) (forced: none)
+          triton      refuses: CPU tensors (the Triton interpreter runs only when forced)
+          cpp_step    does not implement it
+          amx         unavailable here: this CPU (or kernel) has no AMX-INT8 tiles
+          cpu_fused   RUNS IT
+          ...
+    """
+    if at_run_time:
+        tensors = ()
+    traced = False if at_run_time else tracing(*tensors)
+    forced_name = forced()
+    chosen = _choose(primitive, tensors, shape, spec, traced)
+    lines = [f"{primitive} on {len(tensors)} tensor{'s' if len(tensors) != 1 else ''}"
+             + ("" if shape is None else f", shape {tuple(shape)}") + ("" if spec is None else f", spec {spec}")
+             + (", traced" if traced else "") + f" (forced: {forced_name or 'none'})"]
+    for b in TABLE:
+        gone = b.unavailable() if primitive in b.primitives else None
+        if b is chosen:
+            verdict = "RUNS IT" + (" (forced)" if b.name == forced_name else "")
+        elif gone is not None:
+            verdict = f"unavailable here: {gone}"
+        else:
+            verdict = _verdict(b, primitive, tensors, shape, spec, traced, b.name == forced_name) or "would take it"
+            if b.name == forced_name:
+                verdict += " (forced, so the table went on)"
+        lines.append(f"  {b.name:<11} {verdict}")
+    if chosen is None:
+        lines.append("  no backend takes it" + ("; for a question with a shape: none is fast, so the op keeps its other "
+                                                  "algorithm (the digit GEMM's: the fp32 backward)" if shape else
+                                                  " (a primitive only some backends implement)"))
+    text = "\n".join(lines)
+    print(text, file=file)
+    return text
 
 
 def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | None:
@@ -190,3 +270,14 @@ def _force_from_env() -> None:
 
 
 _force_from_env()
+
+
+def _runs(primitive: str, shape=None) -> str | None:
+    b = select(primitive, shape=shape, record=False, at_run_time=True)
+    return None if b is None else b.name
+
+
+_VIEW = TableView(select=select, runs=_runs, fast=fast, state=_state,
+                  forced_note=lambda: " (forced)" if _forced else "", note_ran=note_ran)
+for _b in TABLE:
+    _b.table = _VIEW

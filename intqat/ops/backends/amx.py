@@ -10,23 +10,27 @@ Everything else (the elementwise passes, int_mm) is cpu_fused's.
 from __future__ import annotations
 
 from intqat.ops import cpu_kernels
-from intqat.ops.backends.cpu_fused import CpuFused
+from intqat.ops.backends.cpu_fused import CpuFused, digit_gemm_slow
 from intqat.ops.cpu_features import cpu_has_int8_dot
 from intqat.ops.backends.reference import MAX_K_INT32
 
-__all__ = ["Amx", "amx_forward_pays"]
+__all__ = ["Amx", "amx_forward_pays", "AMX_FORWARD_MIN_MACS", "AMX_DIGITS_MIN_M", "AMX_DIGITS_MIN_MACS"]
+
+# The fused AMX forward against torch._int_mm + the epilogue, both on the AMX units. Measured on a 2-core AMX Xeon
+# (4th gen), 2026-11-23: 0.66x-0.80x from M*N*K = 2^24 while M <= N (256x1024x1024: 0.19 vs 0.23 ms;
+# 256x4096x4096: 2.5 vs 3.9 ms); 1.0x-1.5x when the activations outnumber the weights (each thread keeps its half
+# of the packed weight in its L2 and reads all of q_x) or the layer is small (N = 10: 1.15x). Both sides run on
+# the same units, so the ratio is a property of the kernels, not of one machine's clock.
+AMX_FORWARD_MIN_MACS = 2**24
+# The AMX digit GEMM (both backward GEMMs) against the fp32 GEMM, same Xeon: from M >= 128 and M*N*K >= 2^26
+# (M = 256, K = N = 1024: grad_w 0.51x, grad_x 0.42x); a batch of 32 was 1.2x-2.3x slower (its output write dominates).
+AMX_DIGITS_MIN_M = 128
+AMX_DIGITS_MIN_MACS = 2**26
 
 
 def amx_forward_pays(M: int, K: int, N: int) -> bool:
-    """Is the fused AMX forward faster than torch._int_mm + the epilogue (both on the AMX units)?
-
-    Measured on a 2-core AMX Xeon, 2026-11-23: 0.66x-0.80x of _int_mm + epilogue from M*N*K = 2^24
-    while M <= N (256x1024x1024: 0.19 vs 0.23 ms; 256x4096x4096: 2.5 vs 3.9 ms), 1.0x-1.5x when
-    the activations outnumber the weights (each thread keeps its half of the packed weight in its
-    L2 and reads all of q_x) or the layer is small (N = 10: 1.15x). Both sides run on the same
-    units, so the ratio is a property of the kernels, not of one machine's clock.
-    """
-    return M <= N and M * N * K >= 2**24
+    """Is the fused AMX forward faster than torch._int_mm + the epilogue (AMX_FORWARD_MIN_MACS, M <= N)?"""
+    return M <= N and M * N * K >= AMX_FORWARD_MIN_MACS
 
 
 class Amx(CpuFused):
@@ -41,8 +45,8 @@ class Amx(CpuFused):
         return super().unavailable() or (None if cpu_kernels.amx_available() else
                                          "this CPU (or kernel) has no AMX-INT8 tiles")
 
-    def refuse(self, primitive, tensors, shape, traced):
-        reason = super().refuse(primitive, tensors, shape, traced)
+    def refuse(self, primitive, tensors, shape, traced, spec=None):
+        reason = super().refuse(primitive, tensors, shape, traced, spec)  # (with the layouts cpu_fused refuses)
         if reason is not None:
             return reason
         if not cpu_kernels.amx_available() or not cpu_has_int8_dot():
@@ -51,26 +55,22 @@ class Amx(CpuFused):
         if primitive == "linear":
             if shape is not None and not 0 < shape[1] <= MAX_K_INT32:
                 return "K outside (0, MAX_K_INT32]"
-            if not tensors:
-                return None
-            q_x, q_w = tensors[0], tensors[1]
-            if not (q_x.is_contiguous() and q_w.is_contiguous()):
+            if tensors and not (tensors[0].is_contiguous() and tensors[1].is_contiguous()):
                 return "needs row-major codes"
-            s_x = tensors[2] if len(tensors) > 2 else None  # (integer_linear passes q_x, q_w, s_x, ...)
-            if s_x is not None and s_x.numel() not in (1, q_x.shape[0]):
-                return "s_x is neither per tensor nor per row of q_x"
-        elif primitive == "digit_matmul" and len(tensors) > 2 and not tensors[2].is_contiguous():
-            return "needs row-major codes"
         return None
 
-    def slow(self, primitive, shape):
-        if primitive == "linear" and not amx_forward_pays(*shape):
+    def slow(self, primitive, shape, spec=None):
+        if primitive == "linear" and shape is not None and not amx_forward_pays(*shape):
             return "layer outside the shapes where the fused AMX forward measured faster than _int_mm + epilogue"
+        if primitive == "digit_matmul" and shape is not None:
+            M, K, N = shape
+            reason = digit_gemm_slow(M, K, N)
+            if reason is None and not (M >= AMX_DIGITS_MIN_M and M * N * K >= AMX_DIGITS_MIN_MACS):
+                reason = "M < 128 or M*N*K < 2^26 (AMX_DIGITS_*: measured on a 4th-gen Xeon)"
+            return reason
         return None
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
-        if s_x.numel() not in (1, q_x.shape[0]):
-            return super().linear(q_x, q_w, z_x, colsum, s_x, s_w, bias)
         z = 0 if z_x is None else int(z_x.reshape(()))
         return cpu_kernels.amx_linear(q_x, q_w, z, None if z_x is None else colsum, s_x, s_w, bias)
 

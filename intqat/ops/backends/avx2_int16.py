@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from intqat.ops import cpu_kernels
 from intqat.ops.backends.base import Backend, plain_cpu
-from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
+from intqat.ops.backends.reference import MAX_K_INT32, split_k
 
 __all__ = ["Avx2Int16"]
 
@@ -29,13 +29,29 @@ class Avx2Int16(Backend):
             return "the fused C kernels are not built (no C compiler, or INTQAT_CPU_KERNELS=0)"
         return None if cpu_kernels.int16_gemm_available() else "the kernels were built without AVX2"
 
-    def refuse(self, primitive, tensors, shape, traced):
+    def refuse(self, primitive, tensors, shape, traced, spec=None):
         if traced:
             return "not while tracing"
         if not plain_cpu(*tensors):
             return "needs plain CPU tensors"
         if not cpu_kernels.int16_gemm_available():
             return "no AVX2 build of the kernels"
+        if primitive == "int_mm" and tensors and not (tensors[0].shape[0] and tensors[0].shape[1]
+                                                      and tensors[1].shape[1]):
+            return "an empty product (M, K or N is 0)"
+        if primitive == "linear":  # (q_x, q_w, s_x, ...)
+            if shape is not None and not (0 < shape[1] <= MAX_K_INT32 and shape[0] and shape[2]):
+                return "an empty layer, or K past MAX_K_INT32"
+            if tensors and not (tensors[0].is_contiguous() and tensors[1].is_contiguous()):
+                return "needs row-major codes"
+            if len(tensors) > 2 and tensors[2] is not None and tensors[2].numel() not in (1, tensors[0].shape[0]):
+                return "s_x is neither per tensor nor per row of q_x"
+        if primitive == "linear_grouped" and tensors:  # (q_x, q_w, s_w, s_x, ...)
+            q_x, s_w, s_x = tensors[0], tensors[2], tensors[3]
+            if (q_x.shape[1] // max(s_w.shape[1], 1)) % 2:
+                return "an odd group size (vpmaddwd takes pairs of k): fp32_exact's kernel takes it"
+            if s_x.numel() not in (1, q_x.shape[0]):
+                return "s_x is neither per tensor nor per row of q_x"
         return None
 
     def int_mm(self, a, b):
@@ -46,19 +62,10 @@ class Avx2Int16(Backend):
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         """The GEMM and the epilogue in one pass (intqat_int16_linear), as the AMX forward does."""
-        K = q_x.shape[1]
-        if not (0 < K <= MAX_K_INT32 and q_x.is_contiguous() and q_w.is_contiguous()
-                and s_x.numel() in (1, q_x.shape[0])):
-            return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
         z = 0 if z_x is None else int(z_x.reshape(()))
         return cpu_kernels.int16_linear(q_x, q_w, z, None if z_x is None else colsum, s_x, s_w, bias)
 
     def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
-        """Each group's exact int32 sum on vpmaddwd, scaled and added in the K loop (kernels/cpu/int16_gemm.c);
-        odd group sizes (not whole pairs of k): grouped_linear.c's exact fp32 multiply-adds of the codes."""
-        if s_x.numel() not in (1, q_x.shape[0]):
-            return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
+        """Each group's exact int32 sum on vpmaddwd, scaled and added in the K loop (kernels/cpu/int16_gemm.c)."""
         z = 0 if z_x is None else int(z_x.reshape(()))
-        if (q_x.shape[1] // s_w.shape[1]) % 2 == 0:
-            return cpu_kernels.int16_linear_grouped(q_x, q_w, s_w, z, s_x, bias)
-        return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=True)
+        return cpu_kernels.int16_linear_grouped(q_x, q_w, s_w, z, s_x, bias)

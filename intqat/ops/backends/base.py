@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils import _python_dispatch
 
-__all__ = ["Backend", "tracing", "plain_cpu", "eager_cpu"]
+__all__ = ["Backend", "TableView", "tracing", "plain_cpu", "eager_cpu"]
 
 _Parameter = torch.nn.Parameter
 
@@ -72,35 +72,59 @@ class Backend:
     needs       what it needs, in words (printed by the bench and the test summary)
     primitives  the primitives it implements (methods of the same name)
     traceable   may run while a tracer watches (its ops are what the exported program should hold)
+    table       the table's questions about the other primitives (`TableView`), bound when the table is
+                built: what a backend that runs several primitives in one call (cpp_step) checks its
+                kernels against. (Bound, not imported: backends import nothing of the table.)
     """
 
     name = "?"
     needs = ""
     primitives: frozenset[str] = frozenset()
     traceable = False
+    table: "TableView | None" = None
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run on this machine at all (None: it can). Cached by the table."""
         return None
 
     def refuse(self, primitive: str, tensors: tuple[Tensor | None, ...], shape: tuple[int, ...] | None,
-               traced: bool) -> str | None:
-        """Why this backend does not take this call (None: it takes it). Cheap: runs per call.
+               traced: bool, spec=None) -> str | None:
+        """Why this backend does not take this call (None: it takes it).
 
-        tensors: the call's tensor arguments; shape: the GEMM's (M, K, N) where that matters;
-        traced: `tracing(*tensors)`, computed once per call by the table. The default: eager,
-        plain CPU tensors only."""
+        tensors: the call's tensor arguments, in the order the primitive's caller passes them (empty for a
+        run-time question, `select(..., at_run_time=True)`: decide from the shape, or take it); shape: the
+        GEMM's (M, K, N) where that matters; traced: `tracing(*tensors)`, computed once per call by the table;
+        spec: the call's scalar options (hashable), for the primitives that have them. On eager CPU calls the
+        table caches the verdict per (primitive, shape, spec, the GEMM operands' shapes and strides, forced
+        backend, off switches): a reason may depend on nothing else. The default: eager, plain CPU tensors only."""
         if traced:
             return "not while tracing (compile / export / a dispatch mode)"
         if not plain_cpu(*tensors):
             return "needs plain CPU tensors"
         return None
 
-    def slow(self, primitive: str, shape: tuple[int, ...] | None) -> str | None:
-        """Why this backend, though able, is not the fast choice for this call on this CPU (None: it
-        is). The table skips a slow backend unless it is forced (`use_backend`): tests force one to
-        check its bits on any machine."""
+    def slow(self, primitive: str, shape: tuple[int, ...] | None, spec=None) -> str | None:
+        """Why this backend, though able, is not the fast choice for this call on this CPU (None: it is).
+        The table skips a slow backend unless it is forced (`use_backend`): tests force one to check its
+        bits on any machine. Rules come from the CPU's capabilities (cpu_features) and, where a shape
+        matters, from named constants that say which CPU class measured them."""
         return None
 
     def __repr__(self) -> str:
         return f"<intqat backend {self.name}>"
+
+
+class TableView:
+    """What a backend may ask the table (bound to every backend as `Backend.table`; backends import nothing of it).
+
+    select(primitive, *tensors)   the table's choice for a call (backends.select): what a composed primitive calls
+    runs(primitive, shape)        the name of the backend an eager run on plain CPU tensors would take
+    fast(primitive, shape, spec)  whether that backend is also fast for this shape (its `slow` says None)
+    state()                       what the table's choices depend on besides the call (forced backend, off switches)
+    forced_note()                 ' (forced)' while use_backend / INTQAT_BACKEND forces one, else ''
+    note_ran(ran)                 record (primitive, backend) pairs a fused call ran (`recording()` counts them)
+    """
+
+    def __init__(self, select, runs, fast, state, forced_note, note_ran):
+        self.select, self.runs, self.fast, self.state = select, runs, fast, state
+        self.forced_note, self.note_ran = forced_note, note_ran

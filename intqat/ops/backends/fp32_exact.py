@@ -32,17 +32,27 @@ _GEMMS = frozenset({"int_mm", "linear", "digit_matmul"})  # through torch.mm in 
 class Fp32Exact(Backend):
     name = "fp32_exact"
     needs = "fp32 only (the fallback without int8 dot products and without the AVX2 kernel)"
-    # digit_matmul: exact (three fp32 GEMMs of the digit planes) but three times an fp32 GEMM's work,
-    # so `digits_pay` never picks it: on this class the STE backward keeps its fp32 GEMMs
+    # digit_matmul: exact (three fp32 GEMMs of the digit planes) but three times an fp32 GEMM's work:
+    # `slow` says so at every shape, so on this class the STE backward keeps its fp32 GEMMs
     primitives = frozenset({"int_mm", "linear", "digit_matmul", "linear_grouped"})
 
-    def refuse(self, primitive, tensors, shape, traced):
+    def refuse(self, primitive, tensors, shape, traced, spec=None):
         if traced:
             return "not while tracing (exported programs keep aten._int_mm; see intqat.export for AOTInductor)"
         if not plain_cpu(*tensors):
             return "needs plain CPU tensors"
         if primitive in _GEMMS:
             return self_check.untrusted("fp32 mm")
+        if primitive == "linear_grouped":  # (q_x, q_w, s_w, s_x, ...): grouped_linear.c's fp32 kernel
+            if not cpu_kernels.available():
+                return "the fused C kernels are off (its per-group kernel is one of them)"
+            if tensors and tensors[3].numel() not in (1, tensors[0].shape[0]):
+                return "s_x is neither per tensor nor per row of q_x"
+        return None
+
+    def slow(self, primitive, shape, spec=None):
+        if primitive == "digit_matmul" and shape is not None:
+            return "three fp32 GEMMs of the digit planes: never faster than the one fp32 backward GEMM"
         return None
 
     def int_mm(self, a, b):
@@ -63,9 +73,7 @@ class Fp32Exact(Backend):
         return Reference.digit_matmul(self, a, col_scale, q, z, mask)
 
     def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
-        """kernels/cpu/grouped_linear.c's exact fp32 multiply-adds of the codes (each group's sum an
-        integer <= group_size * 2^14 <= 2^24), scaled in the K loop; the reference without the library."""
-        if not cpu_kernels.available() or s_x.numel() not in (1, q_x.shape[0]):
-            return Reference.linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias)
+        """kernels/cpu/grouped_linear.c's exact fp32 multiply-adds of the codes (each group's sum an integer
+        <= group_size * 2^14 <= 2^24), scaled in the K loop."""
         z = 0 if z_x is None else int(z_x.reshape(()))
         return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=True)

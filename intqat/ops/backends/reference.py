@@ -82,12 +82,33 @@ class Reference(Backend):
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
         "fake_quantize_rows", "dequantize_rows", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
-        "minmax",
+        "minmax", "linear_step", "conv_step",
     })
     traceable = True
+    _steps: dict = {}  # "linear_step" / "conv_step" -> the op's Python path (`define`)
 
-    def refuse(self, primitive, tensors, shape, traced):
+    def refuse(self, primitive, tensors, shape, traced, spec=None):
         return None
+
+    def slow(self, primitive, shape, spec=None):
+        if primitive == "digit_matmul" and shape is not None:
+            return "the digit GEMM's torch twin (the definition): never faster than the fp32 backward GEMM"
+        return None
+
+    # --- whole training steps: the ops' Python paths ---------------------------------------------
+
+    @classmethod
+    def define(cls, primitive: str, step) -> None:
+        """Register an op's Python path as this backend's `primitive` (int_linear.py: "linear_step",
+        int_conv2d.py: "conv_step"): its autograd.Function eagerly, its custom op while traced. The op modules
+        register it so that backends import no op file."""
+        cls._steps[primitive] = step
+
+    def linear_step(self, *args):
+        return self._steps["linear_step"](*args)
+
+    def conv_step(self, *args):
+        return self._steps["conv_step"](*args)
 
     # --- integer GEMMs -------------------------------------------------------------------------
 
@@ -100,10 +121,8 @@ class Reference(Backend):
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         """y = epilogue(int_mm(q_x, q_wᵀ), ...): q_x (M, K), q_w (N, K) int8 -> (M, N) fp32."""
-        from intqat.ops import backends
-
         acc = self.int_mm(q_x, q_w.t())
-        return backends.select("epilogue", acc, s_x, s_w, bias).epilogue(acc, z_x, colsum, s_x, s_w, bias)
+        return self.table.select("epilogue", acc, s_x, s_w, bias).epilogue(acc, z_x, colsum, s_x, s_w, bias)
 
     def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
         """The per-group integer linear (int_linear_grouped.py's formulas): one exact fp32 batched GEMM of
@@ -122,10 +141,20 @@ class Reference(Backend):
         return y + bias.to(torch.float32) if bias is not None else y  # (a float64 bias: float32 y, as every backend)
 
     def digit_matmul(self, a, col_scale, q, z, mask):
-        """where(mask, (a * col_scale) @ (q - z), 0) through three int8 digit planes (digit_gemm.py)."""
+        """where(mask, (a * col_scale) @ (q - z), 0) through three int8 digit planes (digit_gemm.py).
+
+        Its edges: an empty product is zeros; a contraction past MAX_K_INT32 (whose int32 digit sums could
+        overflow) is the plain fp32 GEMM."""
         from intqat.ops.digit_gemm import combine_digits, split_digits
 
         R, C = a.shape
+        K = q.shape[1]
+        if C > MAX_K_INT32:
+            out = (a.to(torch.float32) * col_scale.to(torch.float32).reshape(1, -1)) @ (q.to(torch.float32) - z)
+            return out if mask is None else torch.where(mask, out, 0.0)
+        if R == 0 or K == 0 or C == 0:
+            out = a.new_zeros((R, K), dtype=torch.float32)
+            return out if mask is None else torch.where(mask, out, 0.0)
         digits, shift, rowsum = split_digits(a, col_scale, need_rowsum=isinstance(z, Tensor) or bool(z))
         acc = self.int_mm(digits.reshape(3 * R, C), q)
         return combine_digits(acc, shift, rowsum, z, mask)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from intqat.ops.backends.base import Backend
-from intqat.ops.backends.reference import MAX_K_INT32, Reference, split_k
+from intqat.ops.backends.reference import MAX_K_INT32, split_k
 
 __all__ = ["Triton"]
 
@@ -29,14 +29,13 @@ class Triton(Backend):
             return f"triton does not import: {e}"
         return None
 
-    def refuse(self, primitive, tensors, shape, traced):
-        from intqat.ops import backends
-
-        if backends.forced() == self.name:
-            return None
+    def refuse(self, primitive, tensors, shape, traced, spec=None):
         # (no tensors: select(..., at_run_time=True) asks for an eager run on plain CPU tensors)
-        if not tensors or not all(t is None or t.is_cuda for t in tensors):
+        forced = self.table.state()[0] == self.name  # forced: the interpreter on CPU tensors too
+        if not forced and (not tensors or not all(t is None or t.is_cuda for t in tensors)):
             return "CPU tensors (the Triton interpreter runs only when forced)"
+        if primitive == "linear" and shape is not None and shape[1] > MAX_K_INT32:
+            return "K past MAX_K_INT32 (the kernel's int32 sum could overflow; sm_80's IMMA saturates)"
         return None
 
     @staticmethod
@@ -52,9 +51,6 @@ class Triton(Backend):
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
         from intqat.ops.int_linear import weight_colsum
-
-        if q_x.shape[1] > MAX_K_INT32:
-            return Reference.linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias)
 
         if z_x is None:  # symmetric activations; the kernel takes a zero point and colsum regardless
             z_x = torch.zeros(1, dtype=torch.int32, device=q_x.device)
