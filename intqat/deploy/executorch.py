@@ -45,7 +45,7 @@ from intqat.deploy.xnnpack import OutputGrid, mark_dynamic_convs, model_output_l
 __all__ = ["PteResult", "export_pte", "load_pte", "run_pte", "pte_latency", "PTE_FILE"]
 
 PTE_FILE = "model.pte"
-TESTED = {"executorch": "1.5.1", "torch": "2.13.0"}
+TESTED = {"executorch": "1.5.1", "torch": "2.13.0", "torchao": "0.18.0"}  # what tests/test_deploy_pte.py ran on
 
 
 # -- inputs --------------------------------------------------------------------------------------------
@@ -402,6 +402,7 @@ def export_pte(
         "autocast_nodes": None if autocast_report is None else autocast_report.counts(),
         "float_ops_outside_xnnpack": dict(lowered.float_ops_outside), "notes": notes,
         "executorch": version("executorch"), "torch": torch.__version__, "intqat": __version__,
+        "tested_with": TESTED,
     }
     if fp32_baseline:
         float_qdq = to_qdq(model, keep_float=list(qdq_layers(to_qdq(model))))

@@ -70,7 +70,8 @@ def layer_of(node: torch.fx.Node, layers: Iterable[str]) -> str | None:
 
 
 def _ops():
-    import torch.ao.quantization.fx._decomposed  # noqa: F401
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (torch.ops.quantized_decomposed)
+    import torchao.quantization.quant_primitives  # noqa: F401  (torch.ops.torchao: the Q/DQ form's dynamic ops)
 
     return torch.ops.quantized_decomposed
 
@@ -81,8 +82,7 @@ def _is(node, target) -> bool:
 
 def _static_gemms(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     qd = _ops()
-    weight_dq = {qd.dequantize_per_channel.default, torch.ops.torchao.dequantize_affine.default} \
-        if hasattr(torch.ops, "torchao") else {qd.dequantize_per_channel.default}
+    weight_dq = {qd.dequantize_per_channel.default, torch.ops.torchao.dequantize_affine.default}
     return [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS
             and _is(n.args[0], qd.dequantize_per_tensor.default)
             and isinstance(n.args[1], torch.fx.Node) and n.args[1].target in weight_dq]
@@ -237,8 +237,6 @@ def _insert_qdq(graph: torch.fx.Graph, gemm: torch.fx.Node, value: torch.fx.Node
 def mark_dynamic_convs(program: ExportedProgram) -> int:
     """Rewrite the per-tensor dynamic Q/DQ in front of convs to XNNPACKQuantizer's marker (module docstring);
     in place. Returns how many."""
-    if not hasattr(torch.ops, "torchao"):
-        return 0
     qd, ao = _ops(), torch.ops.torchao
     graph, n = program.graph, 0
     for conv in [c for c in graph.nodes if _is(c, aten.conv2d.default)]:
