@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="intqat-export",
         description="Export a QAT checkpoint as a portable mixed-precision torch.export program "
-                    "(model.pt2) with report.json and report.md.",
+                    "(model.pt2) with report.json and report.md, and the deploy formats asked for "
+                    "(--format: pte for ExecuTorch / XNNPACK, onnx, onnx-int).",
         epilog="Exit codes: 0 written, 1 unusable checkpoint/config/data (nothing written), 2 usage error.",
     )
     p.add_argument("source", type=Path, help="a checkpoint (.ckpt) or an intqat-train run directory")
