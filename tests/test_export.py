@@ -323,7 +323,7 @@ def test_cli_rejects_a_checkpoint_of_another_recipe(tmp_path, capsys):
     _fit_checkpoint(cnn, ckpt)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([str(ckpt), "--recipe", RECIPE, "--out", str(out)])
+        cli.main([str(ckpt), f"recipe={RECIPE}", "--out", str(out)])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err
     assert str(ckpt) in err and f"does not come from recipe {RECIPE}" in err and "SmallCNN" in err
@@ -334,7 +334,7 @@ def test_cli_help_runs_as_console_script():
     exe = os.path.join(os.path.dirname(sys.executable), "intqat-export")
     cmd = [exe, "--help"] if os.path.exists(exe) else [sys.executable, "-m", "intqat.cli.export", "--help"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "--recipe" in proc.stdout and "--low-precision" in proc.stdout
+    assert proc.returncode == 0 and "recipe=NAME" in proc.stdout and "--low-precision" in proc.stdout
 
 
 def _mlp_config() -> dict:
@@ -347,6 +347,7 @@ def _mlp_config() -> dict:
     ("no_record", 1, "has no quantization record"),
     ("no_config", 2, "cannot tell which recipe"),
     ("unknown_recipe", 2, "unknown recipe 'nope'; available recipes:"),
+    ("twice", 2, "recipe given 2 times"),
 ])
 def test_cli_errors_name_the_file_and_the_problem(tmp_path, capsys, case, code, message):
     ckpt = tmp_path / "model.ckpt"
@@ -356,12 +357,12 @@ def test_cli_errors_name_the_file_and_the_problem(tmp_path, capsys, case, code, 
     elif case == "no_record":
         del contents["intqat"]
     torch.save(contents, ckpt)
-    recipe = {"no_config": [], "unknown_recipe": ["--recipe", "nope"]}.get(case, ["--recipe", RECIPE])
+    recipe = {"no_config": [], "unknown_recipe": ["recipe=nope"], "twice": ["recipe=nope", "--recipe", RECIPE]}.get(case, [f"recipe={RECIPE}"])
     with pytest.raises(SystemExit) as exit_info:
         cli.main([str(ckpt), *recipe, "--out", str(tmp_path / "out")])
     assert exit_info.value.code == code
     err = capsys.readouterr().err
-    assert message in err and (case == "unknown_recipe" or str(ckpt) in err)
+    assert message in err and (case in ("unknown_recipe", "twice") or str(ckpt) in err)
     assert not (tmp_path / "out").exists()
 
 
@@ -477,6 +478,6 @@ def test_cli_and_graphs_take_a_recipe_file_of_your_own(run_dir, tmp_path, capsys
     own.parent.mkdir()
     own.write_text((recipes_dir() / f"{RECIPE}.yaml").read_text())
     out = tmp_path / "out"
-    cli.main([str(run_dir / "checkpoints" / "last.ckpt"), "--recipe", str(own), "--out", str(out)])
+    cli.main([str(run_dir / "checkpoints" / "last.ckpt"), f"recipe={own}", "--out", str(out)])
     assert (out / "model.pt2").is_file() and "my_mlp" in json.loads((out / "report.json").read_text())["export"]["source"]
     assert compose_recipe(str(own), ["model.hidden=[16]"]).model.hidden == [16]

@@ -1,7 +1,7 @@
 """intqat-export: a training checkpoint -> model.pt2 + report.json + report.md, and the deploy formats asked for.
 
     intqat-export runs/mlp_digits_w8a8/2025-01-01_12-00-00          # a run dir: its config, last.ckpt
-    intqat-export path/to/last.ckpt --recipe mlp_digits_w8a8 --out export/
+    intqat-export path/to/last.ckpt recipe=mlp_digits_w8a8 --out export/
     intqat-export RUN_DIR --low-precision fp16 --data-max 256 model.hidden=[64,64]
     intqat-export RUN_DIR --format pt2,pte                          # + model.pte (ExecuTorch, XNNPACK)
 
@@ -12,7 +12,7 @@ Formats (--format, comma-separated; default: the config's export.formats, else p
 Each format's packages are checked before anything is loaded (pip install 'intqat[deploy]').
 
 The model is rebuilt from the run's composed config (RUN_DIR/.hydra/config.yaml, or config.yaml)
-or from --recipe (plus key=value overrides), given the quantized layers the checkpoint records
+or from recipe=NAME (plus key=value overrides, as intqat-train takes them), given the quantized layers the checkpoint records
 (checkpoint["intqat"], intqat.callback's format) and loaded strictly; then
 intqat.export_mixed_precision calibrates on the validation split and measures the error and
 accuracy on the test split (--split).
@@ -80,30 +80,20 @@ def load_config(source: Source, recipe: str | None, overrides: list[str]) -> tup
     from omegaconf import OmegaConf
 
     if recipe is not None:
-        from hydra import compose, initialize_config_dir
+        from intqat.compose import RecipeError, compose
 
-        from intqat.cli.train import available_recipes, recipe_location
-
-        own = recipe.endswith((".yaml", ".yml"))
-        if own and not Path(recipe).expanduser().is_file():
-            raise ExportError(f"recipe file {recipe} does not exist", EXIT_USAGE)
-        if not own and recipe not in available_recipes():
-            raise ExportError(f"unknown recipe {recipe!r}; available recipes: {', '.join(available_recipes())}, or "
-                              "the path of your own recipe file", EXIT_USAGE)
-        where, name = recipe_location(recipe)
         try:
-            with initialize_config_dir(config_dir=str(where), version_base="1.3", job_name="intqat_export"):
-                cfg = compose(config_name=name, overrides=overrides)
-        except Exception as e:  # noqa: BLE001  (Hydra raises several types; all mean "bad override")
-            raise ExportError(f"cannot compose recipe {recipe!r} with {' '.join(overrides)}: {e}", EXIT_USAGE) from None
+            cfg = compose(recipe, overrides)
+        except RecipeError as e:
+            raise ExportError(str(e), EXIT_USAGE) from None
         return cfg, f"recipe {recipe}" + (f" with {' '.join(overrides)}" if overrides else "")
     config_file = _run_config(source.run_dir) if source.run_dir else None
     if config_file is None:
-        from intqat.cli.train import available_recipes
+        from intqat.compose import available_recipes
 
         raise ExportError(
             f"cannot tell which recipe {source.checkpoint} came from: no {' or '.join(CONFIG_FILES)} in its run "
-            f"directory; give --recipe NAME (available: {', '.join(available_recipes())})", EXIT_USAGE)
+            f"directory; give recipe=NAME (available: {', '.join(available_recipes())})", EXIT_USAGE)
     try:
         cfg = OmegaConf.load(config_file)
         if overrides:
@@ -111,6 +101,17 @@ def load_config(source: Source, recipe: str | None, overrides: list[str]) -> tup
     except Exception as e:  # noqa: BLE001  (YAML and OmegaConf errors)
         raise ExportError(f"cannot read the run config {config_file}: {e}") from None
     return cfg, str(config_file)
+
+
+def split_recipe(flag: str | None, args: list[str]) -> tuple[str | None, list[str]]:
+    """recipe=NAME among the key=value arguments (as intqat-train and intqat-graphs take it; --recipe NAME too),
+    and the overrides that remain."""
+    named = [a.split("=", 1)[1] for a in args if a.startswith("recipe=")]
+    rest = [a for a in args if not a.startswith("recipe=")]
+    given = named + ([flag] if flag is not None else [])
+    if len(given) > 1:
+        raise ExportError(f"recipe given {len(given)} times ({', '.join(given)}); give it once", EXIT_USAGE)
+    return (given[0] if given else None), rest
 
 
 # -- the checkpoint ---------------------------------------------------------------------------------
@@ -237,9 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", type=Path, help="a checkpoint (.ckpt) or an intqat-train run directory")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="overrides of the config, e.g. model.hidden=[64,64] (as for intqat-train)")
-    p.add_argument("--recipe", help="the recipe the checkpoint was trained with: a name of recipes/, or the path of "
-                                     "your own .yaml (default: the run's own config)")
+                   help="recipe=NAME (the recipe the checkpoint was trained with: a name of recipes/, or the path of "
+                        "your own .yaml; default: the run's own config) and overrides of the config, e.g. "
+                        "model.hidden=[64,64] (as intqat-train and intqat-graphs take them)")
+    p.add_argument("--recipe", help=argparse.SUPPRESS)  # (the flag form of recipe=NAME, kept for earlier commands)
     p.add_argument("--out", type=Path, help="output directory (default: RUN_DIR/export for a run directory, CKPT_STEM-export next to a checkpoint given by its path; an existing CKPT_STEM-export is not replaced without --out)")
     p.add_argument("--low-precision", choices=("bf16", "fp16"), default="bf16", help="type of the float ops autocast lowers (default bf16)")
     p.add_argument("--data-max", type=float, default=512.0, help="ops whose |values| exceed this on the calibration data stay fp32 (default 512)")
@@ -323,7 +325,8 @@ def run(args) -> Path:
     except (TypeError, ValueError) as e:
         raise ExportError(str(e), EXIT_USAGE) from None
     source = find_source(args.source)
-    cfg, config_desc = load_config(source, args.recipe, list(args.overrides))
+    recipe, overrides = split_recipe(args.recipe, list(args.overrides))
+    cfg, config_desc = load_config(source, recipe, overrides)
     if formats is None:
         formats = config_formats(cfg)
         check_formats(formats)
