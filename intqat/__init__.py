@@ -9,6 +9,7 @@
 
 # (imported for its side effect: LightningModule.load_from_checkpoint may use intqat's instantiator)
 from intqat import checkpoint as _checkpoint  # noqa: F401
+from intqat._version import __version__
 from intqat.config import PRESETS, QuantConfig, QuantSpec, resolve_config
 from intqat.convert import (
     calibrate,
@@ -22,7 +23,6 @@ from intqat.convert import (
     to_integer,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
     "QuantConfig", "QuantSpec", "PRESETS", "resolve_config",

@@ -105,7 +105,7 @@ def save_quant_structure(module: nn.Module, checkpoint: dict) -> None:
     IntQAT calls it in on_save_checkpoint; a LightningModule calls it itself only for
     ModelCheckpoint(save_weights_only=True), where Lightning skips the callbacks' hook.
     """
-    from intqat import __version__
+    from intqat._version import __version__
 
     fake, integer = _quant_types()
     layers = {fqn: layer_record(m) for fqn, m in module.named_modules() if isinstance(m, fake + integer)}

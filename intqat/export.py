@@ -531,15 +531,15 @@ def compile_aoti(program: ExportedProgram, path: str | os.PathLike, check_inputs
 # -- the entry point ----------------------------------------------------------------------------------
 def _integer_copy(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
     """A deployed copy of model: fake-quant modules become integer, integer ones deployed."""
-    import intqat
+    from intqat.convert import to_deployed, to_integer
     from intqat.nn import DeployedIntMultiheadAttention, FakeQuantMultiheadAttention
     from intqat.registry import DEPLOYED_TYPES, FAKE_QUANT_TYPES
 
     work = copy.deepcopy(model)
     n_fake = sum(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules())
     if n_fake:
-        intqat.to_integer(work)  # the learned scales carry over: what integer training would run
-    deployed = intqat.to_deployed(work, inplace=True)
+        to_integer(work)  # the learned scales carry over: what integer training would run
+    deployed = to_deployed(work, inplace=True)
     # integer GEMM layers: DeployedIntLinear / Conv2d, including those inside a deployed attention
     n_dep = sum(isinstance(m, DEPLOYED_TYPES) for m in deployed.modules())
     n_attn = sum(isinstance(m, DeployedIntMultiheadAttention) for m in deployed.modules())
@@ -589,7 +589,7 @@ def export_mixed_precision(
     `({0: Dim.AUTO, 1: Dim.AUTO},)` (then dynamic_batch is not used); None: the batch only (dynamic_batch).
     autocast_options: intqat.autocast.convert's keywords (low_precision_type, data_max, ...).
     """
-    from intqat import __version__
+    from intqat._version import __version__
     from intqat.autocast import convert
 
     args = _as_args(example_inputs)

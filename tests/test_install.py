@@ -157,3 +157,12 @@ def test_make_installs_the_pinned_development_build(tmp_path):
     pip_lines = [line for line in out.splitlines() if "pip install" in line]
     assert pip_lines and all("-c constraints.txt" in line for line in pip_lines), out
     assert not any("torch==" in line for line in pip_lines), out  # the pin lives in constraints.txt only
+
+
+def test_version_is_pyprojects():
+    """intqat.__version__ (intqat/_version.py, what checkpoints and reports record) is pyproject.toml's version."""
+    import tomllib
+
+    import intqat
+
+    assert intqat.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

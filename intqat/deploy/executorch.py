@@ -343,7 +343,7 @@ def export_pte(
     static form (default: its weight is stored dequantized and XNNPACK runs it as an fp32 GEMM on its quantized
     input, so the logits are the integer model's to float rounding; int8 logits can swap a near tie).
     """
-    from intqat import __version__
+    from intqat._version import __version__
 
     require("pte")
     from importlib.metadata import version

@@ -284,14 +284,14 @@ def _kept_float(layer: nn.Module) -> nn.Module:
 
 def _integer_copy(model: nn.Module) -> nn.Module:
     """A deployed copy: fake-quant modules to integer (their scales carry over), integer ones deployed."""
-    import intqat
+    from intqat.convert import to_deployed, to_integer
     from intqat.nn import FakeQuantMultiheadAttention
     from intqat.registry import FAKE_QUANT_TYPES
 
     work = copy.deepcopy(model)
     if any(isinstance(m, FAKE_QUANT_TYPES + (FakeQuantMultiheadAttention,)) for m in work.modules()):
-        intqat.to_integer(work)
-    return intqat.to_deployed(work, inplace=True)
+        to_integer(work)
+    return to_deployed(work, inplace=True)
 
 
 def _qdq_of(child: nn.Module) -> nn.Module | None:
