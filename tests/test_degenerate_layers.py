@@ -56,7 +56,7 @@ def test_linear_with_one_input_feature_equals_the_reference(path, M, K, N, dynam
         want = _linear_step(M, K, N, dynamic)
     for name, a, b in zip(("y", "grad_x", "grad_w", "grad_b"), got, want):
         assert torch.equal(_bits(a), _bits(b)), f"{name}: max |diff| {(a - b).abs().max()}"
-    # and the formula itself (NUMERICS.md), in float64: |y| of a K = 1 layer is a few units, not ~1e4
+    # and the formula itself (docs/numerics.md), in float64: |y| of a K = 1 layer is a few units, not ~1e4
     assert got[0].abs().max() < 20
 
 

@@ -111,7 +111,7 @@ def _torch_ao(model, fuse, data):
 
 
 # SQNR thresholds. intqat's fake-quant and integer modules share every rounding: they differ only by fp32
-# accumulation order (NUMERICS.md). torch.ao and torchao have their own conventions: [-128, 127] weights
+# accumulation order (docs/numerics.md). torch.ao and torchao have their own conventions: [-128, 127] weights
 # with s = amax / 127.5, torch.ao's [0, 127] activations and moving-average weight scales. The converters
 # carry those (TorchRangeWeightQuantizer, the observed scales), so torch.ao matches too; but torchao's
 # per-token activations are asymmetric and intqat's dynamic per-token kernel is symmetric (one-sided rows

@@ -1,7 +1,7 @@
-"""Triton kernels against the CPU formulas of NUMERICS.md.
+"""Triton kernels against the CPU formulas of docs/numerics.md.
 
 Exact (torch.equal) where the arithmetic is integer or the kernel rounds like torch; within
-1 ulp where NUMERICS.md allows an FMA (the fp32 epilogue); fp32 GEMM results within
+1 ulp where docs/numerics.md allows an FMA (the fp32 epilogue); fp32 GEMM results within
 rtol 1e-5, atol 1e-5 * max|ref| (a different summation order). Without a GPU the kernels run
 in Triton's interpreter, which must be switched on before triton is first imported (conftest
 does it for the whole suite; the line below covers running this file alone).

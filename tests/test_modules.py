@@ -1,9 +1,9 @@
-"""Quantized modules and the model-level swaps, held to NUMERICS.md.
+"""Quantized modules and the model-level swaps, held to docs/numerics.md.
 
 Numeric intent, stated once:
 - Integer modules in eval (and in training, forward) equal a pure integer reference exactly
   (torch.equal): int64 accumulation of the centred codes, then float32(acc) * (s_x * s_w[n]) + b[n].
-  The reference quantizes with the NUMERICS.md formula written out here, not with intqat's code.
+  The reference quantizes with the docs/numerics.md formula written out here, not with intqat's code.
 - torch.export programs (saved and reloaded) of integer / deployed modules: torch.equal.
 - Training gradients of integer vs fake-quant modules holding the same Parameters: relative
   error (||a - b|| / ||b||) < 1e-5: the two differ only in fp32 rounding order of the STE GEMMs.
@@ -57,7 +57,7 @@ def _one_intra_op_thread():
 
 
 # ---------------------------------------------------------------------------------------------
-# Helpers: the reference arithmetic of NUMERICS.md, written independently of intqat
+# Helpers: the reference arithmetic of docs/numerics.md, written independently of intqat
 # ---------------------------------------------------------------------------------------------
 
 
@@ -423,7 +423,7 @@ def _lsq_factor(n, qmax):
 
 
 # Regression: a learned per-tensor weight scale once got LSQ's gradient scale for one row (1/sqrt(K qmax))
-# instead of all the elements that share it (1/sqrt(N K qmax), NUMERICS.md "Learned scales").
+# instead of all the elements that share it (1/sqrt(N K qmax), docs/numerics.md "Learned scales").
 @pytest.mark.parametrize("granularity", ["channel", "tensor"])
 def test_fake_quant_linear_lsq_grads_equal_torch_learnable_kernels(granularity):
     cfg = QuantConfig(weight=QuantSpec(granularity=granularity, learnable=True),
@@ -431,7 +431,7 @@ def test_fake_quant_linear_lsq_grads_equal_torch_learnable_kernels(granularity):
     model = intqat.prepare_qat(nn.Sequential(nn.Linear(40, 12)), cfg)
     # Inputs skewed negative give a POSITIVE zero point: torch's learnable backward takes the zero
     # point as int64(z + 0.5) (truncation), which is off by one for negative z, while its forward
-    # (and intqat, and NUMERICS.md) round it. For z > 0 (here z = k + 0.37) both mean round(z).
+    # (and intqat, and docs/numerics.md) round it. For z > 0 (here z = k + 0.37) both mean round(z).
     observe(model, -act_input(64, 40))
     perturb_lsq(model)
     fql = model[0]

@@ -51,7 +51,7 @@ class KernelCase:
     constexprs: dict
     configs: list  # triton.Config: the ones the autotuner keeps for these arguments (its early_config_prune)
     tensor_cores: bool  # an int8 GEMM: its SASS must hold int8 tensor-core instructions, and its
-    # float epilogue no fp32 fma (NUMERICS.md rounds the product and the bias add separately)
+    # float epilogue no fp32 fma (docs/numerics.md rounds the product and the bias add separately)
 
 
 def _kept(kernel, prune: Callable, configs: list, args: tuple) -> list:

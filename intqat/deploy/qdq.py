@@ -6,7 +6,7 @@ each float GEMM that the runtimes' own quantizers emit and their partitioners / 
     qdq = intqat.deploy.to_qdq(model)          # the same call signature as model
     ep = torch.export.export(qdq, (x,))        # -> ExecuTorch (XNNPACK), ONNX Q/DQ
 
-Each integer layer becomes (NUMERICS.md, "Deploy forms"):
+Each integer layer becomes (docs/numerics.md, "Deploy forms"):
     activations  static:  quantized_decomposed.quantize_per_tensor -> dequantize_per_tensor with the layer's
                           frozen scale / zero point (XNNPACKQuantizer's static form)
                  dynamic: torchao.choose_qparams_affine -> quantize_affine -> dequantize_affine, per token

@@ -4,7 +4,7 @@ Two passes on the exported (ATen) program, run before `to_edge_transform_and_low
 
 `requantize_static_outputs`: XNNPACK's static int8 GEMM (qs8 input, qc8w / qc4w weights) writes int8: its
 partitioner takes `dq -> linear / conv2d [-> relu / hardtanh] -> q` only (gemm_configs.py: "Expected output node
-to have a dequantized node"). intqat's integer layers write fp32 (NUMERICS.md). Each static GEMM whose output is
+to have a dequantized node"). intqat's integer layers write fp32 (docs/numerics.md). Each static GEMM whose output is
 not quantized already gets a quantize -> dequantize on its output:
   - on the next layer's own input grid when the output reaches static integer layers with one grid through ops
     that commute with quantization (relu, max_pool2d, views, permutes: q is monotone and works on each element
