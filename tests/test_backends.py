@@ -261,7 +261,19 @@ def test_avx2_int16_edges_and_extreme_codes(M, K, N):
         assert torch.equal(got, _reference(int_mm, a, b))
 
 
-def test_emulating_a_cpu_without_int8_dot_units():
+@pytest.fixture(scope="module")
+def avx2_cache(tmp_path_factory):
+    """One kernel cache for the two tests below: INTQAT_KERNEL_MARCH=x86-64-v3 and INTQAT_EMULATE_NO_INT8_DOT=1
+    compile the same C library (same flags, same key): one fresh build (~6 s here) serves both.
+
+    Both run with INTQAT_CPP_STEP=0: the C++ training ops link the C library by its path, so a fresh cache
+    costs a second build of them (~25-40 s here) that checks nothing these tests are about. What they
+    check is the table's choice and the C kernels' bits for that build; the C++ ops call the same kernels
+    and follow the same table (tests/test_cpp_step.py forces each backend whose kernels they call)."""
+    return tmp_path_factory.mktemp("avx2-kernels")
+
+
+def test_emulating_a_cpu_without_int8_dot_units(avx2_cache):
     """INTQAT_EMULATE_NO_INT8_DOT=1 (what `intqat-bench` uses to show that class on any machine): the
     GEMMs leave torch._int_mm and AMX, the backward keeps fp32 GEMMs, and the results stay the same bits."""
     import os
@@ -279,7 +291,7 @@ def test_emulating_a_cpu_without_int8_dot_units():
         "gemms = sorted({b for (p, b) in ran if p in ('int_mm', 'linear', 'digit_matmul')})\n"
         "print(cpu_class().split(' (')[0], gemms, digits_pay(256, 1024, 1024))\n"
     )
-    env = {**os.environ, "INTQAT_EMULATE_NO_INT8_DOT": "1"}
+    env = {**os.environ, "INTQAT_EMULATE_NO_INT8_DOT": "1", "INTQAT_CACHE_DIR": str(avx2_cache), "INTQAT_CPP_STEP": "0"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     no_dot = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
@@ -329,11 +341,12 @@ def test_grouped_linear_forward_equals_the_reference(name, M, K, N, gs, dynamic,
     assert torch.equal(got, want)
 
 
-def test_an_avx2_only_build_of_the_kernels_gives_the_same_bits(tmp_path):
+def test_an_avx2_only_build_of_the_kernels_gives_the_same_bits(avx2_cache):
     """This file's backend checks again with the kernels compiled as for an AVX2-only CPU
     (INTQAT_KERNEL_MARCH=x86-64-v3: no AVX-512, no VNNI), in a fresh process and kernel cache: the code
     paths a Zen 2/3 or Haswell build takes (AVX2 mask pass, vpmaddwd kernels, passes vectorized 8-wide)
-    run on this machine too, and must equal the reference."""
+    run on this machine too, and must equal the reference. (The cache is fresh for this module: the emulation
+    test above may have filled it with the same x86-64-v3 build.)"""
     import os
     import platform
     import subprocess
@@ -341,7 +354,8 @@ def test_an_avx2_only_build_of_the_kernels_gives_the_same_bits(tmp_path):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64-v3 is an x86 build")
-    env = {**os.environ, "INTQAT_KERNEL_MARCH": "x86-64-v3", "INTQAT_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "INTQAT_KERNEL_MARCH": "x86-64-v3", "INTQAT_CACHE_DIR": str(avx2_cache),
+           "INTQAT_CPP_STEP": "0"}
     code = ("from intqat.ops import cpu_kernels as k; assert k.available() and k.int16_gemm_available(); "
             "assert not k.grouped_vnni_available(); print(k.kernel_march())")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
