@@ -1,7 +1,8 @@
 """Configs, recipes, data modules and the intqat-train command line.
 
 Every option of every config group and every recipe is composed and instantiated; the CLI is run
-as a subprocess for its exit codes, one short fp32 run and one short QAT run.
+as a subprocess for its runs (one short fp32 run, one short QAT run and its resumption, a recipe file of your
+own); its usage errors (exit status 2) are checked in this process.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import intqat
+from intqat.cli import train as train_cli
 from intqat.cli.train import available_recipes, conf_dir, recipes_dir
 from intqat.data import Cifar10DataModule, DigitsDataModule
 from intqat.data.cifar10 import CIFAR10_MEAN, CIFAR10_STD
@@ -149,18 +151,25 @@ def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
                           cwd=cwd, env=env, timeout=180)
 
 
-def test_unknown_recipe_lists_recipes():
-    r = _cli("recipe=mlp_digit_w8a8")
-    assert r.returncode == 2
-    assert "unknown recipe 'mlp_digit_w8a8'" in r.stderr
-    assert all(name in r.stderr for name in RECIPES)
+def _usage_error(capsys, *args: str) -> str:
+    """intqat-train's command line checked in this process (it exits before Hydra and Lightning start): exit
+    status 2 (EXIT_USAGE) -> what it printed to stderr. The console script's own start: tests/test_install.py."""
+    with pytest.raises(SystemExit) as exited:
+        train_cli.main(list(args))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
 
 
-def test_typo_key_lists_valid_keys():
-    r = _cli("trainer.max_epoch=1", "model=mlpp")
-    assert r.returncode != 0
-    assert "no key 'max_epoch' at 'trainer'" in r.stderr and "max_epochs" in r.stderr
-    assert "'model' is a config group; its options are: cifar10_cnn, cnn, gpt, mlp" in r.stderr
+def test_unknown_recipe_lists_recipes(capsys):
+    err = _usage_error(capsys, "recipe=mlp_digit_w8a8")
+    assert "unknown recipe 'mlp_digit_w8a8'" in err
+    assert all(name in err for name in RECIPES)
+
+
+def test_typo_key_lists_valid_keys(capsys):
+    err = _usage_error(capsys, "trainer.max_epoch=1", "model=mlpp")
+    assert "no key 'max_epoch' at 'trainer'" in err and "max_epochs" in err
+    assert "'model' is a config group; its options are: cifar10_cnn, cnn, gpt, mlp" in err
 
 
 def test_fp32_run_writes_everything(tmp_path):
@@ -178,15 +187,26 @@ def test_fp32_run_writes_everything(tmp_path):
     assert isinstance(module.model, MLP) and _kinds(module) == set()
 
 
-def test_qat_run_reports_stages_and_tests_the_integer_model(tmp_path):
-    out = tmp_path / "run"
-    r = _cli("trainer.max_epochs=2", "quant.prepare_at=0", "quant.freeze_observers_at=1", "quant.integer_at=1",
-             "+trainer.limit_train_batches=6", "trainer.enable_progress_bar=false", f"output_dir={out}", cwd=tmp_path)
+# A short QAT run: fake quant from epoch 0, integer from epoch 1, 3 steps an epoch. One run (module scope)
+# serves the report test and the resume test, which continues it.
+QAT_RUN = ["recipe=mlp_digits_w8a8", "quant.prepare_at=0", "quant.freeze_bn_at=null", "quant.freeze_observers_at=1",
+           "quant.integer_at=1", "export=none", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2",
+           "trainer.enable_progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def qat_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("qat") / "run"
+    r = _cli(*QAT_RUN, "trainer.max_epochs=2", f"output_dir={out}", cwd=out.parent)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = (out / "report.md").read_text()
-    assert "| fake-quant | 0.00 | 0 |" in report and "| observers frozen + integer | 1.00 | 6 |" in report
+    return out
+
+
+def test_qat_run_reports_stages_and_tests_the_integer_model(qat_run):
+    report = (qat_run / "report.md").read_text()
+    assert "| fake-quant | 0.00 | 0 |" in report and "| observers frozen + integer | 1.00 | 3 |" in report
     assert "last checkpoint" in report  # test_ckpt=auto: the integer model is the one tested
-    module = ClassificationModule.load_from_checkpoint(out / "checkpoints" / "last.ckpt")
+    module = ClassificationModule.load_from_checkpoint(qat_run / "checkpoints" / "last.ckpt")
     assert _kinds(module) == {"integer"}
 
 
@@ -291,16 +311,11 @@ def test_adding_a_field_to_a_quant_group_keeps_its_preset(group):
     assert resolve_config(dict(_compose("mlp_digits_w8a8", [f"quant={group}"]).quant.config)) == want
 
 
-def test_ckpt_path_resumes_a_run_where_it_stopped(tmp_path):
+def test_ckpt_path_resumes_a_run_where_it_stopped(qat_run, tmp_path, capsys):
     """`intqat-train ... ckpt_path=<run>/checkpoints/last.ckpt` continues that run (it was silently ignored as
     `+ckpt_path`); a path that is no file is a usage error naming it."""
-    common = ["recipe=mlp_digits_w8a8", "quant.prepare_at=0", "quant.freeze_bn_at=null", "quant.freeze_observers_at=1",
-              "quant.integer_at=1", "export=none", "+trainer.limit_train_batches=3", "+trainer.limit_val_batches=2",
-              "trainer.enable_progress_bar=false"]
-    first = _cli(*common, "trainer.max_epochs=2", f"output_dir={tmp_path / 'a'}")
-    assert first.returncode == 0, first.stderr[-2000:]
-    last = tmp_path / "a" / "checkpoints" / "last.ckpt"
-    second = _cli(*common, "trainer.max_epochs=3", f"ckpt_path={last}", f"output_dir={tmp_path / 'b'}")
+    last = qat_run / "checkpoints" / "last.ckpt"
+    second = _cli(*QAT_RUN, "trainer.max_epochs=3", f"ckpt_path={last}", f"output_dir={tmp_path / 'b'}")
     assert second.returncode == 0, second.stderr[-2000:]
     resumed = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["epoch"] == 2 and resumed["global_step"] == 9  # 2 epochs of 3 steps before, 1 more here
@@ -309,11 +324,11 @@ def test_ckpt_path_resumes_a_run_where_it_stopped(tmp_path):
     with open(tmp_path / "b" / "metrics.csv") as f:
         epochs = {int(float(row["epoch"])) for row in csv.DictReader(f) if row.get("epoch")}
     assert 2 in epochs and not epochs & {0, 1}  # it started where the first run stopped (3: the test split)
-    bad = _cli("recipe=mlp_digits_w8a8", f"ckpt_path={tmp_path / 'nope.ckpt'}")
-    assert bad.returncode == 2 and "nope.ckpt: no such checkpoint file" in bad.stderr
+    assert "nope.ckpt: no such checkpoint file" in _usage_error(capsys, "recipe=mlp_digits_w8a8",
+                                                                 f"ckpt_path={tmp_path / 'nope.ckpt'}")
 
 
-def test_a_recipe_file_of_your_own_trains(tmp_path):
+def test_a_recipe_file_of_your_own_trains(tmp_path, capsys):
     """recipe=path/to/my.yaml: a recipe outside the installed package (after `pip install`, recipes/ is in
     site-packages) composes with intqat's conf/ groups and trains; a missing file is a usage error."""
     own = tmp_path / "my_recipes" / "mlp_wide.yaml"
@@ -326,5 +341,4 @@ def test_a_recipe_file_of_your_own_trains(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     saved = (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
     assert "- 96" in saved
-    bad = _cli(f"recipe={tmp_path / 'nope.yaml'}")
-    assert bad.returncode == 2 and "nope.yaml does not exist" in bad.stderr
+    assert "nope.yaml does not exist" in _usage_error(capsys, f"recipe={tmp_path / 'nope.yaml'}")
