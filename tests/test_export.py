@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -397,6 +398,11 @@ def test_cli_aoti_package_equals_the_program_and_runs_without_intqat(run_dir, di
 
 
 def test_compile_aoti_keeps_nothing_when_the_package_differs(tmp_path, monkeypatch):
+    """A package whose numbers are not the program's (one ulp off) is refused and removed. The compiler is
+    stubbed (it writes a placeholder file, and the "package" runs the program itself): what is checked is
+    compile_aoti's own check and clean-up; real packages are compiled by the two tests around this one."""
+    import torch._inductor
+
     from intqat import export as export_mod
 
     torch.manual_seed(0)
@@ -404,12 +410,16 @@ def test_compile_aoti_keeps_nothing_when_the_package_differs(tmp_path, monkeypat
     layer = intqat.prepare_qat(nn.Sequential(nn.Linear(8, 4)), "w8a8")
     intqat.calibrate(layer, [(x,)])
     result = export_mixed_precision(intqat.to_integer(layer), (x[:2],), validation_data=[(x,)])
-    real_load = torch._inductor.aoti_load_package
 
-    def off_by_one_ulp(path):  # a package whose numbers are not the program's
-        runner = real_load(path)
+    def placeholder_package(program, package_path):
+        Path(package_path).write_bytes(b"not a package")
+
+    def off_by_one_ulp(path):  # the program's output, one ulp up
+        assert Path(path).read_bytes() == b"not a package"
+        runner = result.program.module()
         return lambda *a: torch.nextafter(runner(*a), torch.tensor(float("inf")))
 
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", placeholder_package)
     monkeypatch.setattr(torch._inductor, "aoti_load_package", off_by_one_ulp)
     target = tmp_path / "m.aoti.pt2"
     with pytest.raises(ValueError, match="differs from the exported program"):
