@@ -3,7 +3,8 @@
 
 For each model: the conversion census (what became integer, what stayed float and why), training goes
 on (finite, falling loss on a fixed batch), in eval the integer model equals the exported reference
-program (torch.equal), and the programs load and run in a Python that never imports intqat.
+program (torch.equal), and the programs load and run in a Python that never imports intqat (one such process for all of them:
+test_programs_load_and_run_without_intqat).
 """
 
 import os
@@ -100,19 +101,26 @@ def test_resnet_blocks_fold_every_batchnorm_from_the_data_flow():
     _export_equal(model, x)
 
 
-def test_mobilenet_v2_inplace_relu6_depthwise_and_export(tmp_path):
+@pytest.fixture(scope="module")
+def mobilenet():
+    """The flow on MobileNet-V2, exported: (model, x, the flow's warnings, the export result, eval output)."""
     torch.manual_seed(0)
     model, x, y = TinyMobileNetV2(), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
     messages, _ = _flow(model, x, _classify(y))  # ReLU6(inplace=True) after 1x1 maps, in training
-    assert messages == []
-    depthwise = [m for m in model.modules() if isinstance(m, IntConv2d) and m.groups > 1]
-    assert len(depthwise) == 6 and all(m.groups == m.in_channels and m.bn is not None for m in depthwise)
-    assert float_census(model) == {}
     # channels_last trains too (every integer conv output there is a permuted GEMM result)
     _steps(model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last), _classify(y), 1)
     model.to(memory_format=torch.contiguous_format)
     result, expected, _ = _export_equal(model, x)  # its time is measured by intqat-bench, not asserted here
-    _check_without_intqat(tmp_path, result, x, expected)
+    return model, x, messages, result, expected
+
+
+def test_mobilenet_v2_inplace_relu6_depthwise_and_export(mobilenet):
+    """(Its programs outside intqat: test_programs_load_and_run_without_intqat.)"""
+    model, _, messages, _, _ = mobilenet
+    assert messages == []
+    depthwise = [m for m in model.modules() if isinstance(m, IntConv2d) and m.groups > 1]
+    assert len(depthwise) == 6 and all(m.groups == m.in_channels and m.bn is not None for m in depthwise)
+    assert float_census(model) == {}
 
 
 def test_untraceable_module_names_its_unfolded_batchnorm():
@@ -164,17 +172,27 @@ def _lm_loss(ids):
     return lambda logits: F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
+@pytest.fixture(scope="module")
+def gpt2():
+    """The flow on Hugging Face's GPT-2, exported: (model, ids, the flow's warnings, the export result, eval
+    output, {name: Parameter} and the state_dict keys from before the flow, the Conv1D layers' names)."""
     pytest.importorskip("transformers")  # in the test extra; a plain `pip install intqat` may lack it
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)
     model, ids = tiny_gpt2(), torch.randint(0, 64, (4, 16))
-    conv1d = {n: m for n, m in model.named_modules() if isinstance(m, Conv1D)}
-    assert len(conv1d) == 8  # c_attn, c_proj (attention), c_fc, c_proj (MLP) in 2 layers
+    conv1d = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
     params = dict(model.named_parameters())
     keys = set(model.state_dict())
     messages, _ = _flow(model, ids, _lm_loss(ids))
+    result, expected, _ = _export_equal(model, ids)
+    return model, ids, messages, result, expected, params, keys, conv1d
+
+
+def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(gpt2):
+    """(Its programs outside intqat, and outside transformers: test_programs_load_and_run_without_intqat.)"""
+    model, _, messages, _, _, params, keys, conv1d = gpt2
+    assert len(conv1d) == 8  # c_attn, c_proj (attention), c_fc, c_proj (MLP) in 2 layers
     # every linear-like layer converts; the census names only the embeddings (w8a8 has no embedding spec),
     # with the config field that would quantize them
     assert len(messages) == 2 and all("model.transformer.wte (nn.Embedding: QuantConfig.embedding is None" in m
@@ -187,8 +205,6 @@ def test_gpt2_conv1d_layers_become_integer_with_the_same_parameters(tmp_path):
     assert model.model.lm_head.weight is model.model.transformer.wte.weight  # the tie survives
     assert all(dict(model.named_parameters())[n] is p for n, p in params.items())
     assert keys <= set(model.state_dict())
-    result, expected, _ = _export_equal(model, ids)
-    _check_without_intqat(tmp_path, result, ids, expected)  # without transformers too
 
 
 @pytest.mark.parametrize("cfg", ["w8a8", "w8a8_dynamic", "w8a8_lsq", "8da4w"])
@@ -262,35 +278,40 @@ assert "intqat" not in sys.modules and "transformers" not in sys.modules
 """
 
 
-def _check_without_intqat(tmp_path, result, x, expected):
-    """The reference program returns the integer model's output exactly in a process without intqat;
-    the mixed-precision model.pt2 runs there too."""
-    write_program(result.reference, tmp_path / "ref.pt2")
-    result.save(tmp_path / "export")
-    torch.save(x, tmp_path / "x.pt")
-    jobs = [(tmp_path / "ref.pt2", tmp_path / "x.pt", tmp_path / "ref_y.pt"),
-            (tmp_path / "export" / "model.pt2", tmp_path / "x.pt", tmp_path / "mixed_y.pt")]
+def _write_for_no_intqat(directory, result, x):
+    """The reference program, the mixed-precision model.pt2 and the input, as a deployer would get them."""
+    directory.mkdir()
+    write_program(result.reference, directory / "ref.pt2")
+    result.save(directory / "export")
+    torch.save(x, directory / "x.pt")
+    return [(directory / "ref.pt2", directory / "x.pt", directory / "ref_y.pt"),
+            (directory / "export" / "model.pt2", directory / "x.pt", directory / "mixed_y.pt")]
+
+
+def test_programs_load_and_run_without_intqat(mobilenet, gpt2, tmp_path):
+    """MobileNet-V2 (depthwise convs), GPT-2 (Conv1D, a tied head) and nn.TransformerEncoder (integer attention)
+    exported: in one process that never imports intqat (nor transformers) each reference program returns the
+    integer model's output exactly, and each mixed-precision model.pt2 runs."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    encoder, x = nn.TransformerEncoder(layer, 2), torch.randn(4, 8, 32)
+    intqat.prepare_qat(encoder, "w8a8")
+    _steps(encoder, x, lambda out: out.pow(2).mean(), 2)
+    intqat.to_integer(encoder)
+    encoder_result, encoder_expected, _ = _export_equal(encoder, x)
+
+    cases = {"mobilenet": (mobilenet[3], mobilenet[1], mobilenet[4]), "gpt2": (gpt2[3], gpt2[1], gpt2[4]),
+             "encoder": (encoder_result, x, encoder_expected)}
+    jobs = {name: _write_for_no_intqat(tmp_path / name, result, inp) for name, (result, inp, _) in cases.items()}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    argv = [str(a) for job in jobs for a in job]
+    argv = [str(a) for pair in jobs.values() for job in pair for a in job]
     proc = subprocess.run([sys.executable, "-c", _NO_INTQAT, *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert torch.equal(torch.load(tmp_path / "ref_y.pt"), expected)
-    mixed = torch.load(tmp_path / "mixed_y.pt")
-    assert mixed.shape == expected.shape and torch.isfinite(mixed).all()
-
-
-def test_encoder_program_loads_and_runs_without_intqat(tmp_path):
-    """nn.TransformerEncoder with integer attention: exported, loaded and run without intqat (the
-    MobileNet-V2 program: test_mobilenet_v2_inplace_relu6_depthwise_and_export)."""
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-    model, x = nn.TransformerEncoder(layer, 2), torch.randn(4, 8, 32)
-    intqat.prepare_qat(model, "w8a8")
-    _steps(model, x, lambda out: out.pow(2).mean(), 2)
-    intqat.to_integer(model)
-    result, expected, _ = _export_equal(model, x)
-    _check_without_intqat(tmp_path, result, x, expected)
+    for name, (_, _, expected) in cases.items():
+        assert torch.equal(torch.load(tmp_path / name / "ref_y.pt"), expected), name
+        mixed = torch.load(tmp_path / name / "mixed_y.pt")
+        assert mixed.shape == expected.shape and torch.isfinite(mixed).all(), name
 
 
 def test_per_group_configs_name_the_layers_they_cannot_group():
