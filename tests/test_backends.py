@@ -81,7 +81,8 @@ def test_the_int32_edge_is_exact_or_a_clear_error(name):
     2^31 is one past int32's maximum, and 131073 beyond it: int_mm raises, never wraps."""
     _runs_here(name)
     assert MAX_K_INT32 == 131071
-    for K in (131071, 131072, 131073):
+    # Triton's interpreter takes ~4 s per K here: 131073 takes 131072's path (split, then the int32 check)
+    for K in (131071, 131072) if name == "triton" else (131071, 131072, 131073):
         a = torch.full((1, K), -128, dtype=torch.int8)
         b = torch.full((K, 1), -128, dtype=torch.int8)
         with backends.use_backend(name):

@@ -429,22 +429,37 @@ def test_compile_aoti_keeps_nothing_when_the_package_differs(tmp_path, monkeypat
     assert not target.exists()
 
 
-def test_aoti_package_for_cpus_without_int8_dot_units_decomposes_int_mm_exactly(tmp_path):
-    """int_mm="fp32" (what "auto" picks on a CPU without int8 dot products, where aten._int_mm is a
-    scalar loop): the package computes _int_mm as exact fp32 GEMMs of K slices <= 1024. A layer with
-    K = 1500 (two slices) and codes at their extremes: the package equals the program (compile_aoti
-    checks it with torch.equal before keeping it), and the decomposed graph holds no _int_mm."""
-    from intqat.export import compile_aoti
-    from intqat.ops.backends.fp32_exact import int_mm_via_fp32
-
+@pytest.fixture(scope="module")
+def wide_k_export():
+    """A layer with K = 1500 (two fp32 slices of <= 1024) and codes at their extremes, exported: (result, x)."""
     torch.manual_seed(0)
     x = torch.randn(64, 1500) * 3
     model = intqat.prepare_qat(nn.Sequential(nn.Linear(1500, 24), nn.ReLU(), nn.Linear(24, 5)), "w8a8")
     intqat.calibrate(model, [(x,)])
-    result = export_mixed_precision(intqat.to_integer(model), (x[:2],), validation_data=[(x,)])
+    return export_mixed_precision(intqat.to_integer(model), (x[:2],), validation_data=[(x,)]), x
+
+
+def test_int_mm_decomposed_into_fp32_slices_is_exact(wide_k_export):
+    """int_mm="fp32" (what "auto" picks on a CPU without int8 dot products, where aten._int_mm is a scalar
+    loop) decomposes _int_mm into exact fp32 GEMMs of K slices <= 1024: the decomposed program holds no
+    _int_mm and gives the program's bits. (The AOTInductor package of it: the slow test below.)"""
+    from intqat.ops.backends.fp32_exact import int_mm_via_fp32
+
+    result, x = wide_k_export
     decomposed = result.program.run_decompositions({torch.ops.aten._int_mm.default: int_mm_via_fp32})
     targets = {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
     assert not any("_int_mm" in t for t in targets) and any("mm" in t for t in targets)
+    with torch.no_grad():
+        assert torch.equal(decomposed.module()(x), result.program.module()(x))
+
+
+@pytest.mark.slow  # an AOTInductor compile (~8-15 s here); make test compiles one package: the CLI test above
+def test_aoti_package_for_cpus_without_int8_dot_units_decomposes_int_mm_exactly(wide_k_export, tmp_path):
+    """The package compiled with int_mm="fp32" equals the program (compile_aoti checks it with torch.equal
+    before keeping it); int_mm="bf16" is refused."""
+    from intqat.export import compile_aoti
+
+    result, x = wide_k_export
     report = compile_aoti(result.program, tmp_path / "m.aoti.pt2", (x,), int_mm="fp32")
     assert report["checked_equal_on"] and report["int_mm"].startswith("exact fp32")
     with pytest.raises(ValueError, match="int_mm='bf16'"):
