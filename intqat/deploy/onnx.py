@@ -75,6 +75,25 @@ class OnnxResult:
     size: dict[str, Any] = field(default_factory=dict)
     latency: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    data: bytes = field(default=b"", repr=False)  # the file's bytes
+
+    def save(self, path: str | os.PathLike, report: bool = False) -> dict[str, Path]:
+        """Write the file (and, with `report`, <name>_report.json / .md beside it: model.onnx ->
+        model_onnx_report.json), each atomically."""
+        import json
+
+        from intqat.deploy.executorch import atomic_write
+
+        path = Path(path)
+        self.path = path
+        payload = {path: self.data}
+        if report:
+            stem = path.name.replace(".", "_")
+            payload[path.with_name(f"{stem}_report.json")] = (json.dumps(self.to_dict(), indent=2) + "\n").encode()
+            payload[path.with_name(f"{stem}_report.md")] = self.to_markdown().encode()
+        for p, data in payload.items():
+            atomic_write(p, data)
+        return {p.name: p for p in payload}
 
     def to_dict(self) -> dict[str, Any]:
         return {"onnx": {"path": str(self.path), "form": self.form, "opset": self.opset, **self.info},
@@ -236,21 +255,45 @@ def _integer_layers(reference: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in reference.named_modules() if isinstance(m, kinds)}
 
 
-def _float_kept(form: str, model: nn.Module, names: Sequence[str]) -> dict[str, nn.Module]:
-    """fqn -> the float module a kept layer becomes (its dequantized weight w_hat, float input)."""
-    from intqat.deploy.qdq import _kept_float, qdq_layers, to_qdq
+@torch.no_grad()
+def _float_of(layer: nn.Module, whole: bool = False) -> nn.Module:
+    """A deployed integer layer as the float layer a kept one becomes: its dequantized weight w_hat (the values the
+    integer model's weights stand for), fp32, and no activation quantization. whole: every layer is kept float."""
+    from intqat.nn import DeployedIntConv2d, DeployedIntEmbedding, DeployedIntLinear
 
-    layers = qdq_layers(to_qdq(model))
-    return {n: _kept_float(layers[n]) for n in names}
+    if not whole and (getattr(layer, "input_codes", False) or getattr(layer, "out_codes", False)):
+        raise ValueError("a layer of an int8 chain (intqat.chain_int8) cannot be kept float alone: its neighbour "
+                         "passes it int8 codes")
+    if isinstance(layer, DeployedIntEmbedding):
+        n, d = layer.q_w.shape
+        w = (layer.q_w.to(torch.float32).reshape(n, layer.w_scale.shape[1], -1) * layer.w_scale.unsqueeze(-1))
+        return nn.Embedding.from_pretrained(w.reshape(n, d), freeze=True)
+    w = layer.q_w.to(torch.float32)
+    if isinstance(layer, DeployedIntConv2d):
+        w = w * layer.w_scale.reshape(-1, 1, 1, 1)
+        o, cg, kh, kw = w.shape
+        m = nn.Conv2d(cg * layer.groups, o, (kh, kw), layer.stride, layer.padding, layer.dilation, layer.groups,
+                      bias=layer.bias is not None)
+    else:  # DeployedIntLinear (nn.Linear layout whatever it came from) or DeployedGroupedIntLinear
+        w = w * layer.w_scale.reshape(-1, 1) if isinstance(layer, DeployedIntLinear) else \
+            (w.reshape(w.shape[0], layer.w_scale.shape[1], -1) * layer.w_scale.unsqueeze(-1)).reshape(w.shape)
+        m = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None)
+    m.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+    if layer.bias is not None:
+        m.bias = nn.Parameter(layer.bias.detach().to(torch.float32).clone(), requires_grad=False)
+    return m.eval()
 
 
-def _form_module(form: str, model: nn.Module, keep: Sequence[str]) -> nn.Module:
+def _form_module(form: str, model: nn.Module, reference: nn.Module, keep: Sequence[str], whole: bool = False
+                 ) -> nn.Module:
+    """The module the file is exported from: `form`'s layers, the layers in `keep` float (both forms alike)."""
     from intqat.deploy.onnx_int import to_int_form
     from intqat.deploy.qdq import to_qdq
 
     if form == "qdq":
         return to_qdq(model, keep_float=keep)
-    return to_int_form(model, keep_float=_float_kept(form, model, keep))
+    layers = dict(reference.named_modules())
+    return to_int_form(model, keep_float={n: _float_of(layers[n], whole) for n in keep})
 
 
 def _table(form: str) -> dict:
@@ -306,7 +349,7 @@ def export_onnx(
 
     from intqat import __version__
     from intqat.convert import float_census
-    from intqat.deploy.executorch import _args, _inputs_of, atomic_write
+    from intqat.deploy.executorch import _args, _inputs_of
     from intqat.deploy.onnx_qdq import store_int4_weights
     from intqat.deploy.onnx_runtime import compare, session
     from intqat.deploy.qdq import _integer_copy
@@ -349,7 +392,7 @@ def export_onnx(
     kept = {n: "asked (keep_float)" for n in keep_float}
     table = _table(form)
     while True:  # a layer onnxruntime refuses is kept float and the model exported again
-        module = _form_module(form, model, list(kept))
+        module = _form_module(form, model, reference, list(kept))
         onnx_model = _to_onnx(_program(module, args, max_batch, autocast, calibration), args, opset, table)
         if form == "qdq":
             store_int4_weights(onnx_model)
@@ -373,11 +416,12 @@ def export_onnx(
                    "versions": {p: version(p) for p in ("onnx", "onnxscript", "onnxruntime")}
                    | {"torch": torch.__version__, "intqat": __version__}, "tested_with": TESTED}
     if fp32_baseline:
-        float_data = _fp32_file(model, args, max_batch, opset)
+        float_data = _fp32_file(model, reference, args, max_batch, opset)
         result.size = {"bytes": len(data), "fp32_bytes": len(float_data), "ratio": len(data) / len(float_data)}
         result.latency = _latency(data, float_data, args, latency_batches, latency_repeats)
+    result.data = data
     if path is not None:
-        atomic_write(path, data)
+        result.save(path)
     return result
 
 
@@ -393,11 +437,9 @@ def _refused_layer(message: str, onnx_model, integer: dict, kept: dict) -> str |
     return None
 
 
-def _fp32_file(model: nn.Module, args: tuple, max_batch: int | None, opset: int) -> bytes:
+def _fp32_file(model: nn.Module, reference: nn.Module, args: tuple, max_batch: int | None, opset: int) -> bytes:
     """The same model with every integer layer float (its dequantized weights): the baseline's bytes."""
-    from intqat.deploy.qdq import qdq_layers, to_qdq
-
-    module = to_qdq(model, keep_float=list(qdq_layers(to_qdq(model))))
+    module = _form_module("int", model, reference, list(_integer_layers(reference)), whole=True)
     onnx_model = _to_onnx(_program(module, args, max_batch, None, []), args, opset, {})
     _strip(onnx_model)
     return _serialize(onnx_model)
