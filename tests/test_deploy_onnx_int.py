@@ -47,14 +47,14 @@ class Layers(nn.Module):
         self.grouped = nn.Conv2d(16, 32, 3, padding=1, groups=4)
         self.pw = nn.Conv2d(16, 8, 1)
 
-    def forward(self, tokens, x, seq, image, feat):
-        return (self.emb(tokens), self.lin(x), self.lin3d(seq), self.conv1d(seq), self.stem(image), self.dw(feat),
+    def forward(self, tokens, x, seq, seq2, image, feat):
+        return (self.emb(tokens), self.lin(x), self.lin3d(seq), self.conv1d(seq2), self.stem(image), self.dw(feat),
                 self.grouped(feat), self.pw(feat))
 
 
 def layers_data(n: int = 8):
-    return (torch.randint(0, 64, (n, 6)), torch.randn(n, 32), torch.randn(n, 5, 32), torch.randn(n, 3, 9, 9),
-            torch.randn(n, 16, 6, 6))
+    return (torch.randint(0, 64, (n, 6)), torch.randn(n, 32), torch.randn(n, 5, 32), 2 * torch.randn(n, 4, 32),
+            torch.randn(n, 3, 9, 9), torch.randn(n, 16, 6, 6))
 
 
 def integer(model: nn.Module, config, batches) -> nn.Module:

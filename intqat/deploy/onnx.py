@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from intqat.deploy._require import require
+from intqat.deploy.onnx_runtime import compare, session
 
 __all__ = ["OnnxResult", "OnnxLayer", "export_onnx", "FORMS", "DEFAULT_OPSET", "TESTED"]
 
@@ -351,7 +352,6 @@ def export_onnx(
     from intqat.convert import float_census
     from intqat.deploy.executorch import _args, _inputs_of
     from intqat.deploy.onnx_qdq import store_int4_weights
-    from intqat.deploy.onnx_runtime import compare, session
     from intqat.deploy.qdq import _integer_copy
 
     if form not in FORMS:
