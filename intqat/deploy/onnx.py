@@ -25,11 +25,9 @@ Loading the file elsewhere needs onnxruntime alone: `onnxruntime.InferenceSessio
 
 from __future__ import annotations
 
-import ast
 import os
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from intqat.deploy._require import require
+from intqat.deploy.onnx_census import census, float_of, integer_layers, layer_ops, refused_layer
+from intqat.deploy.onnx_report import OnnxLayer, OnnxResult
 from intqat.deploy.onnx_runtime import compare, session
 
 __all__ = ["OnnxResult", "OnnxLayer", "export_onnx", "FORMS", "DEFAULT_OPSET", "TESTED"]
@@ -44,102 +44,8 @@ __all__ = ["OnnxResult", "OnnxLayer", "export_onnx", "FORMS", "DEFAULT_OPSET", "
 FORMS = ("qdq", "int")
 DEFAULT_OPSET = 21  # blocked DequantizeLinear and INT4 (8da4w's weights) are opset 21's
 TESTED = {"onnx": "1.23.2", "onnxscript": "0.7.2", "onnxruntime": "1.32.0", "torch": "2.13.0"}  # the tests' versions
-# the ONNX ops that name what a layer became, by form (Gather only for embeddings: a per-group layer's p[g] is one too)
-_KEY_OPS = {"int": ("MatMulInteger", "ConvInteger"), "qdq": ("QuantizeLinear", "DequantizeLinear", "Gemm", "MatMul", "Conv")}
 
 
-@dataclass
-class OnnxLayer:
-    """One integer layer of the model in the ONNX file."""
-
-    name: str
-    kind: str  # the integer model's module (DeployedIntLinear, ...)
-    scheme: str  # "static int8 activations, int8 per channel weights", ...
-    became: str  # the ONNX ops it is, in graph order ("QuantizeLinear, DequantizeLinear, Gemm"), or "kept float"
-    note: str = ""
-
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "kind": self.kind, "scheme": self.scheme, "became": self.became, "note": self.note}
-
-
-@dataclass
-class OnnxResult:
-    """path: the file; census: one entry per integer layer; float_layers: the model's float layers and why;
-    validation: onnxruntime against the integer model; size (and latency) against an fp32 ONNX of the same model."""
-
-    path: Path | None
-    form: str
-    opset: int
-    census: list[OnnxLayer]
-    float_layers: dict[str, str]
-    validation: dict[str, Any]
-    size: dict[str, Any] = field(default_factory=dict)
-    latency: dict[str, Any] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)
-    data: bytes = field(default=b"", repr=False)  # the file's bytes
-
-    def save(self, path: str | os.PathLike, report: bool = False) -> dict[str, Path]:
-        """Write the file (and, with `report`, <name>_report.json / .md beside it: model.onnx ->
-        model_onnx_report.json), each atomically."""
-        import json
-
-        from intqat.deploy.executorch import atomic_write
-
-        path = Path(path)
-        self.path = path
-        payload = {path: self.data}
-        if report:
-            stem = path.name.replace(".", "_")
-            payload[path.with_name(f"{stem}_report.json")] = (json.dumps(self.to_dict(), indent=2) + "\n").encode()
-            payload[path.with_name(f"{stem}_report.md")] = self.to_markdown().encode()
-        for p, data in payload.items():
-            atomic_write(p, data)
-        return {p.name: p for p in payload}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"onnx": {"path": str(self.path), "form": self.form, "opset": self.opset, **self.info},
-                "census": [c.to_dict() for c in self.census], "float_layers": self.float_layers,
-                "validation": self.validation, "size": self.size, "latency": self.latency}
-
-    def lines(self) -> list[str]:
-        """A few lines for a terminal (intqat-export)."""
-        v = self.validation
-        kept = sum(c.became.startswith("kept float") for c in self.census)
-        out = [f"{self.form} form, opset {self.opset}: {len(self.census) - kept} integer layers as "
-               f"{'Q/DQ' if self.form == 'qdq' else 'integer ops'}" + (f", {kept} kept float" if kept else "")
-               + (f"; {len(self.float_layers)} float layers ({', '.join(sorted(self.float_layers)[:4])}"
-                  f"{', ...' if len(self.float_layers) > 4 else ''})" if self.float_layers else "")]
-        agree = f"top-1 agreement {100 * v['top1_agreement']:.2f}%, " if "top1_agreement" in v else ""
-        out.append(f"vs integer   {'bit for bit, ' if v['bit_exact'] else ''}{agree}max |diff| {v['max_abs_diff']:.4g} "
-                   f"({v['max_diff_in_steps']:.3g} output steps) on {v['samples']} samples (onnxruntime, CPU)")
-        if self.size:
-            lat = ", ".join(f"batch {b}: {t['ratio']:.3f}x" for b, t in self.latency.get("per_batch", {}).items())
-            out.append(f"vs fp32 ONNX size {self.size['ratio']:.3f}x" + (f"; latency {lat}" if lat else ""))
-        out += self.info.get("notes", [])
-        return out
-
-    def to_markdown(self) -> str:
-        v = self.validation
-        lines = [f"# intqat ONNX ({self.form} form, opset {self.opset}): {self.info.get('model', 'model')}", ""]
-        lines += ["## Integer layers", "", "| layer | kind | scheme | became | note |", "|---|---|---|---|---|"]
-        lines += [f"| {c.name} | {c.kind} | {c.scheme} | {c.became} | {c.note} |" for c in self.census]
-        lines += ["", "## Float layers", ""] + ([f"- {n}: {r}" for n, r in self.float_layers.items()] or ["none"])
-        lines += ["", "## Against the integer model (onnxruntime, CPU)", "", "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {v[k]:.6g} |" if isinstance(v[k], float) else f"| {k} | {v[k]} |"
-                  for k in ("bit_exact", "top1_agreement", "max_abs_diff", "output_step", "max_diff_in_steps",
-                            "sqnr_db", "accuracy", "accuracy_integer", "samples") if k in v]
-        if self.size:
-            lines += ["", f"Size: {self.size['bytes']} bytes, fp32 ONNX {self.size['fp32_bytes']} bytes "
-                          f"({self.size['ratio']:.3f}x)"]
-        for b, t in self.latency.get("per_batch", {}).items():
-            lines.append(f"- batch {b}: {t['ms']:.3f} ms, fp32 ONNX {t['fp32_ms']:.3f} ms ({t['ratio']:.3f}x)")
-        if self.latency:
-            lines.append(f"- latency: {self.latency['method']}; CPU {self.latency['cpu']}")
-        lines += [""] + self.info.get("notes", []) + ["", ", ".join(f"{k} {v}" for k, v in self.info.get("versions", {}).items()), ""]
-        return "\n".join(lines)
-
-
-# -- the export -----------------------------------------------------------------------------------------------------
 def _dynamic_batch(args: tuple, max_batch: int | None) -> tuple:
     batch = torch.export.Dim("batch", min=1, max=max_batch) if max_batch else torch.export.Dim("batch", min=1)
     return tuple({0: batch} if isinstance(a, Tensor) and a.dim() else None for a in args)
@@ -170,20 +76,6 @@ def _to_onnx(program, args: tuple, opset: int, table: dict):
     return onnx_program.model
 
 
-def _layer_ops(model, layers: Iterable[str]) -> dict[str, list[str]]:
-    """layer -> the ONNX op types of its nodes, in graph order (from the exporter's name scopes)."""
-    names, out = set(layers), {}
-    for node in model.graph:
-        scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-        if not scopes:
-            continue
-        path = [s for s in ast.literal_eval(scopes)[:-1] if s]
-        layer = next((p for p in reversed(path) if p in names), None)
-        if layer is not None:
-            out.setdefault(layer, []).append(node.op_type)
-    return out
-
-
 def _strip(model) -> None:
     """Drop the exporter's per-node debug metadata (stack traces, FX nodes: most of a small model's bytes)."""
     for node in model.graph:
@@ -197,94 +89,6 @@ def _serialize(model) -> bytes:
     return ir.serde.serialize_model(model).SerializeToString()
 
 
-def _scheme(layer: nn.Module) -> str:
-    """The integer model's scheme of one deployed layer."""
-    from intqat.nn import DeployedGroupedIntLinear, DeployedIntEmbedding
-
-    q_w = layer.q_w
-    bits = max(2, int(q_w.abs().max()).bit_length() + 1) if q_w.numel() else 8
-    if isinstance(layer, DeployedIntEmbedding):
-        return f"int{bits} table, {layer.w_scale.shape[1]} scale(s) per row"
-    act = "dynamic per-token" if layer.x_dynamic and q_w.dim() == 2 else "dynamic per-tensor" if layer.x_dynamic \
-        else "static"
-    w = f"int{bits} per group ({layer.group_size})" if isinstance(layer, DeployedGroupedIntLinear) \
-        else f"int{bits} per channel"
-    return f"{act} int8 activations, {w} weights"
-
-
-_NOTES = {
-    "int": {"OnnxIntLinear": "int32 accumulators exact; epilogue float(acc) * (s_x s_w) + b as intqat's",
-            "OnnxIntConv2d": "int32 accumulators exact (padding with the zero point's code); epilogue as intqat's",
-            "OnnxGroupedIntLinear": "one MatMulInteger per group (batched), the group sums added in intqat's order",
-            "OnnxIntEmbedding": "the int8 rows and their scales gathered, y = float(q) * s"},
-    "qdq": {"QDQIntLinear": "", "QDQIntConv2d": "", "QDQIntEmbedding": "",
-            "QDQGroupedIntLinear": "per-group weights: DequantizeLinear with block_size (opset 21)"},
-}
-
-
-def _census(form: str, module: nn.Module, reference: nn.Module, ops: dict[str, list[str]],
-            kept: dict[str, str]) -> list[OnnxLayer]:
-    from intqat.deploy.onnx_int import int_layers
-    from intqat.deploy.qdq import qdq_layers
-
-    deployed = dict(reference.named_modules())
-    layers = int_layers(module) if form == "int" else qdq_layers(module)
-    rows = []
-    for name in [n for n in deployed if n in layers or n in kept]:
-        src = deployed[name]
-        if name in kept:
-            rows.append(OnnxLayer(name, type(src).__name__, _scheme(src), "kept float", kept[name]))
-            continue
-        if name not in ops:
-            continue  # never called by forward (an attention projection for another input grouping): not in the file
-        layer = layers[name]
-        keys = _KEY_OPS[form] + (("Gather",) if "Embedding" in type(layer).__name__ else ())
-        found = [o for o in dict.fromkeys(ops[name]) if o in keys]
-        note = _NOTES[form].get(type(layer).__name__, "")
-        aq = getattr(layer, "input_qdq", None)
-        if form == "qdq" and aq is not None and aq.dynamic:
-            note = ("activation scale computed at run time, written out (ReduceMax / ReduceMin / Div / Reciprocal / "
-                    "Round / Clip: intqat's codes), then DequantizeLinear; runs as a float GEMM" + ("; " + note if note else ""))
-        rows.append(OnnxLayer(name, type(src).__name__, _scheme(src), ", ".join(found), note))
-    return rows
-
-
-def _integer_layers(reference: nn.Module) -> dict[str, nn.Module]:
-    from intqat.nn import DeployedGroupedIntLinear, DeployedIntConv2d, DeployedIntEmbedding, DeployedIntLinear
-
-    kinds = (DeployedIntLinear, DeployedIntConv2d, DeployedGroupedIntLinear, DeployedIntEmbedding)
-    return {n: m for n, m in reference.named_modules() if isinstance(m, kinds)}
-
-
-@torch.no_grad()
-def _float_of(layer: nn.Module, whole: bool = False) -> nn.Module:
-    """A deployed integer layer as the float layer a kept one becomes: its dequantized weight w_hat (the values the
-    integer model's weights stand for), fp32, and no activation quantization. whole: every layer is kept float."""
-    from intqat.nn import DeployedIntConv2d, DeployedIntEmbedding, DeployedIntLinear
-
-    if not whole and (getattr(layer, "input_codes", False) or getattr(layer, "out_codes", False)):
-        raise ValueError("a layer of an int8 chain (intqat.chain_int8) cannot be kept float alone: its neighbour "
-                         "passes it int8 codes")
-    if isinstance(layer, DeployedIntEmbedding):
-        n, d = layer.q_w.shape
-        w = (layer.q_w.to(torch.float32).reshape(n, layer.w_scale.shape[1], -1) * layer.w_scale.unsqueeze(-1))
-        return nn.Embedding.from_pretrained(w.reshape(n, d), freeze=True)
-    w = layer.q_w.to(torch.float32)
-    if isinstance(layer, DeployedIntConv2d):
-        w = w * layer.w_scale.reshape(-1, 1, 1, 1)
-        o, cg, kh, kw = w.shape
-        m = nn.Conv2d(cg * layer.groups, o, (kh, kw), layer.stride, layer.padding, layer.dilation, layer.groups,
-                      bias=layer.bias is not None)
-    else:  # DeployedIntLinear (nn.Linear layout whatever it came from) or DeployedGroupedIntLinear
-        w = w * layer.w_scale.reshape(-1, 1) if isinstance(layer, DeployedIntLinear) else \
-            (w.reshape(w.shape[0], layer.w_scale.shape[1], -1) * layer.w_scale.unsqueeze(-1)).reshape(w.shape)
-        m = nn.Linear(w.shape[1], w.shape[0], bias=layer.bias is not None)
-    m.weight = nn.Parameter(w.contiguous(), requires_grad=False)
-    if layer.bias is not None:
-        m.bias = nn.Parameter(layer.bias.detach().to(torch.float32).clone(), requires_grad=False)
-    return m.eval()
-
-
 def _form_module(form: str, model: nn.Module, reference: nn.Module, keep: Sequence[str], whole: bool = False
                  ) -> nn.Module:
     """The module the file is exported from: `form`'s layers, the layers in `keep` float (both forms alike)."""
@@ -294,7 +98,7 @@ def _form_module(form: str, model: nn.Module, reference: nn.Module, keep: Sequen
     if form == "qdq":
         return to_qdq(model, keep_float=keep)
     layers = dict(reference.named_modules())
-    return to_int_form(model, keep_float={n: _float_of(layers[n], whole) for n in keep})
+    return to_int_form(model, keep_float={n: float_of(layers[n], whole) for n in keep})
 
 
 def _table(form: str) -> dict:
@@ -384,7 +188,7 @@ def export_onnx(
         raise ValueError(f"autocast options {sorted(autocast_options)} need low_precision_type (fp16)")
 
     reference = _integer_copy(model).eval()
-    integer = _integer_layers(reference)
+    integer = integer_layers(reference)
     unknown = sorted(set(keep_float) - set(integer))
     if unknown:
         raise ValueError(f"keep_float names {unknown}, which are not integer layers of the model; its integer layers: "
@@ -396,20 +200,20 @@ def export_onnx(
         onnx_model = _to_onnx(_program(module, args, max_batch, autocast, calibration), args, opset, table)
         if form == "qdq":
             store_int4_weights(onnx_model)
-        ops = _layer_ops(onnx_model, integer)
+        ops = layer_ops(onnx_model, integer)
         _strip(onnx_model)
         data = _serialize(onnx_model)
         try:
             sess = session(data)
             break
         except Exception as e:  # noqa: BLE001  (onnxruntime raises its own exception types)
-            refused = _refused_layer(str(e), onnx_model, integer, kept)
+            refused = refused_layer(str(e), onnx_model, integer, kept)
             if refused is None:
                 raise ValueError(f"onnxruntime cannot load the exported {form} form: {e}; nothing was written") from None
             kept[refused] = f"onnxruntime refused it: {str(e).strip()[:300]}"
     validation = compare(sess, reference, batches)
-    census = _census(form, module, reference, ops, kept)
-    result = OnnxResult(path, form, opset, census, float_census(model), validation)
+    rows = census(form, module, reference, ops, kept)
+    result = OnnxResult(path, form, opset, rows, float_census(model), validation)
     result.info = {"model": type(model).__name__, "inputs": [f"{tuple(a.shape)} {a.dtype}" for a in args],
                    "float_regions": "fp32" if autocast is None else str(autocast["low_precision_type"]),
                    "notes": notes, "bytes": len(data),
@@ -425,21 +229,9 @@ def export_onnx(
     return result
 
 
-def _refused_layer(message: str, onnx_model, integer: dict, kept: dict) -> str | None:
-    """The integer layer whose node onnxruntime names in its error, if any (and not already kept float)."""
-    for node in onnx_model.graph:
-        if node.name and f"'{node.name}'" in message:
-            scopes = node.metadata_props.get("pkg.torch.onnx.name_scopes")
-            path = [s for s in ast.literal_eval(scopes)[:-1] if s] if scopes else []
-            layer = next((p for p in reversed(path) if p in integer), None)
-            if layer is not None and layer not in kept:
-                return layer
-    return None
-
-
 def _fp32_file(model: nn.Module, reference: nn.Module, args: tuple, max_batch: int | None, opset: int) -> bytes:
     """The same model with every integer layer float (its dequantized weights): the baseline's bytes."""
-    module = _form_module("int", model, reference, list(_integer_layers(reference)), whole=True)
+    module = _form_module("int", model, reference, list(integer_layers(reference)), whole=True)
     onnx_model = _to_onnx(_program(module, args, max_batch, None, []), args, opset, {})
     _strip(onnx_model)
     return _serialize(onnx_model)
