@@ -8,7 +8,7 @@ integer model measured in onnxruntime (CPU).
     r = export_onnx(model, (x[:2],), "export/model.int.onnx", form="int")      # MatMulInteger / ConvInteger
     print(r.to_markdown())     # what each integer layer became, float layers and why, the error, the size
 
-Forms (NUMERICS.md, "ONNX forms"):
+Forms (docs/numerics.md, "ONNX forms"):
   qdq  intqat.deploy.to_qdq's program: QuantizeLinear -> DequantizeLinear around the float op, weights as int8 codes
        (per channel, axis 0, zero point 0) or INT4 codes in blocks (DequantizeLinear's block_size, opset 21); what
        onnxruntime's Q/DQ fusion and TensorRT's explicit quantization read (onnx_qdq.py). Close to the integer

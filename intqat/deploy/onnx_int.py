@@ -2,7 +2,7 @@
 intqat's fp32 epilogue after them, in intqat's order, so onnxruntime computes the integer model's numbers.
 
 Each deployed integer layer becomes a module of this file, written in the ops whose ONNX translations compute
-the same float values as intqat's kernels (NUMERICS.md, "ONNX forms"):
+the same float values as intqat's kernels (docs/numerics.md, "ONNX forms"):
 
     quantize   static:  q = Cast<int8>(Clip(Round(x * fp32(1/s_x)) + z_x, qmin, qmax))   (s_x, z_x constants)
                dynamic: s = Max(Max(ReduceMax(x), -ReduceMin(x)) / qmax, eps)             per token (linear, last
