@@ -152,7 +152,7 @@ def export_onnx(
     """
     from importlib.metadata import version
 
-    from intqat import __version__
+    from intqat._version import __version__
     from intqat.convert import float_census
     from intqat.deploy.executorch import _args, _inputs_of
     from intqat.deploy.onnx_qdq import store_int4_weights
