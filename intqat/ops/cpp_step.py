@@ -37,7 +37,7 @@ from intqat.ops import cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
-           "observe_minmax_", "LINEAR_GEMMS"]
+           "observe_minmax_", "LINEAR_GEMMS", "CONV_ONEDNN"]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -114,6 +114,7 @@ def disabled_depth() -> int:
 
 # The forward GEMMs the ops can run, by the backend whose kernel it is -> the ops' `gemm` argument
 LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd
+CONV_ONEDNN = 2  # the conv op's `gemm` for oneDNN's int8 conv (backend onednn_conv), no im2col
 _linear_op = None
 _conv_op = None
 _observe_op = None
@@ -134,8 +135,8 @@ def run_linear(gemm: int, digits_x: bool, digits_w: bool, x2d: Tensor, weight: T
 def run_conv(gemm: int, x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
              stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
              w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
-    """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code (grouped
-    convs run an exact fp32 conv of the codes and ignore it)."""
+    """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code or CONV_ONEDNN
+    (grouped convs run an exact fp32 conv of the codes and ignore it)."""
     global _conv_op
     if _conv_op is None:
         _conv_op = torch.ops.intqat_train.int_conv2d.default

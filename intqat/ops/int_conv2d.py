@@ -28,7 +28,7 @@ from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
-__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size"]
+__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size", "conv_geometry"]
 
 
 def conv_output_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
@@ -77,7 +77,17 @@ def conv_codes_forward(
     if groups > 1:
         return _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups)
     B = q_x.shape[0]
-    O, _, kh, kw = q_w.shape
+    O, C, kh, kw = q_w.shape
+    Ho = conv_output_size(q_x.shape[2], kh, stride[0], padding[0], dilation[0])
+    Wo = conv_output_size(q_x.shape[3], kw, stride[1], padding[1], dilation[1])
+    # oneDNN's int8 conv where the table takes it (backend onednn_conv: regular convs of few channels): the same
+    # exact accumulator without im2col, laid out channels_last, then the same epilogue steps
+    b = backends.select("conv_int8", q_x, q_w, shape=(B * Ho * Wo, C * kh * kw, O),
+                        spec=conv_geometry(kh, kw, stride, padding, dilation, groups))
+    if b is not None:
+        acc = b.conv_int8(q_x, int(z_x) if pad_value is None else pad_value, q_w, stride, padding, dilation, groups)
+        y = _scaled_(acc, s_x, w_scale, bias)
+        return y if is_channels_last(q_x) else y.contiguous()
     cols, Ho, Wo = _im2col(q_x, z_x if pad_value is None else pad_value, (kh, kw), stride, padding, dilation, groups)
     acc = int_mm(cols, _weight_columns(q_w).t())  # (B*Ho*Wo, O) int32
     y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, bias)
@@ -120,17 +130,28 @@ def _grouped_acc(xz: Tensor, w: Tensor, stride, padding, dilation, groups: int) 
     return acc.to(torch.float32).contiguous(memory_format=fmt)
 
 
+def conv_geometry(kh: int, kw: int, stride, padding, dilation, groups: int) -> tuple:
+    """The conv's geometry as the `conv_int8` primitive's spec (hashable): (kh, kw, stride, padding, dilation, groups)."""
+    return kh, kw, tuple(stride), tuple(padding), tuple(dilation), groups
+
+
+def _scaled_(acc: Tensor, s_x: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """y = acc * (s_x * s_w[o]) + b[o], in place on acc (B, O, Ho, Wo) fp32 holding exact integers: the epilogue's
+    float steps in its order (integer_epilogue: float32(acc) * (s_x s_w[n]) + b[n]), so the same bits."""
+    O = acc.shape[1]
+    scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
+    y = acc.mul_(scale)
+    return y.add_(bias.to(torch.float32).reshape(1, O, 1, 1)) if bias is not None else y
+
+
 def _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups) -> Tensor:
     """Grouped / depthwise integer conv as one computation: y = float32(acc) * (s_x * s_w[o]) + b[o], the
     epilogue of integer_epilogue in the same float steps (so the same bits as a per-group int_mm would give),
     laid out (B, O, Ho, Wo) in the input's memory format by the convolution itself: no transposing copy."""
-    O = q_w.shape[0]
     # (q_x - z_x) * 1.0 in one fused pass on the CPU: exact integers within [-255, 255]
     xz = dequantize(q_x, torch.ones((), dtype=torch.float32, device=q_x.device), z_x.reshape(()))
     acc = _grouped_acc(xz, q_w.to(torch.float32), stride, padding, dilation, groups)  # fresh: updated in place
-    scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
-    y = acc.mul_(scale)
-    return y.add_(bias.reshape(1, O, 1, 1)) if bias is not None else y
+    return _scaled_(acc, s_x, w_scale, bias)
 
 
 def is_channels_last(t: Tensor) -> bool:
@@ -355,15 +376,18 @@ def int_conv2d(
     learned = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad) or w_scale.requires_grad
     s_x = z = None
     O, Cg, kh, kw = weight.shape
-    empty, K = False, 0
+    empty, K, gemm_shape, geometry = False, 0, None, None
     eager = backends.eager_cpu(tensors)
     if eager:  # the facts the C++ step needs (not read while tracing: no guards on them)
         empty, K = not (x.numel() and O), x.shape[1] * kh * kw
+        Ho = conv_output_size(x.shape[2], kh, stride[0], padding[0], dilation[0])
+        Wo = conv_output_size(x.shape[3], kw, stride[1], padding[1], dilation[1])
+        gemm_shape, geometry = (x.shape[0] * Ho * Wo, K, O), conv_geometry(kh, kw, stride, padding, dilation, groups)
         if not (x_dynamic or learned):  # what it takes as numbers
             s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
-                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K)
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry)
     b = backends.select("conv_step", *tensors, spec=spec, eager=eager)
     return b.conv_step(x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation,
                        spec, s_x, z)
@@ -372,7 +396,9 @@ def int_conv2d(
 class ConvStep(NamedTuple):
     """One int_conv2d call's scalar options and the facts the table decides the step from (as int_linear's
     LinearStep): empty: no input elements or no output channels; fits_one_fp32_conv: a group's C/g * kh * kw
-    terms fit _EXACT_FP32_TERMS; K: C * kh * kw."""
+    terms fit _EXACT_FP32_TERMS; K: C * kh * kw; gemm_shape: the conv as a GEMM (B Ho Wo, K, O) and geometry
+    (`conv_geometry`): what the table decides `conv_int8` (oneDNN's int8 conv) from. The facts are read on eager
+    CPU calls only (None / 0 otherwise)."""
 
     x_qmin: int
     x_qmax: int
@@ -387,6 +413,8 @@ class ConvStep(NamedTuple):
     empty: bool
     fits_one_fp32_conv: bool
     K: int
+    gemm_shape: tuple | None = None
+    geometry: tuple | None = None
 
 
 def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,

@@ -16,9 +16,13 @@
  *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel
  *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels; int_mm on
  *                  torch._int_mm (int8-dot CPUs) or AVX2 vpmaddwd (gemm 1: CPUs without int8 dot products)
+ *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
+ *                  accumulator as fp32 (intqat/ops/conv_onednn.py: conv_acc, channel_chunks; the same calls)
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
  * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. */
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -90,6 +94,57 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     return c;
 }
 
+/* oneDNN's int8 conv of u8 codes (q + 128, zero point z + 128) with unit scales: fp32 (B, O, Ho, Wo) channels_last
+ * = float32(the int32 accumulator) (conv_onednn._one_conv: the same two torch ops, called through the dispatcher) */
+at::Tensor onednn_one(const at::Tensor &u8, int64_t zp, const at::Tensor &q_w, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation) {
+    static const c10::OperatorHandle prepack =
+        c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qconv_prepack", "");
+    static const c10::OperatorHandle qconv = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qconv_pointwise", "");
+    const int64_t O = q_w.size(0);
+    const at::Tensor ones = at::ones({O}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor zeros = at::zeros({O}, at::TensorOptions().dtype(at::kLong));
+    torch::jit::Stack st{q_w, ones, 1.0, zp, stride.vec(), padding.vec(), dilation.vec(), (int64_t)1, u8.sizes().vec()};
+    prepack.callBoxed(&st);
+    const at::Tensor packed = st[0].toTensor();
+    torch::jit::Stack st2{u8, 1.0, zp, packed, ones, zeros, c10::IValue(), stride.vec(), padding.vec(), dilation.vec(),
+                          (int64_t)1, 1.0, (int64_t)0, at::kFloat, std::string("none"),
+                          c10::List<c10::optional<at::Scalar>>(), std::string("")};
+    qconv.callBoxed(&st2);
+    return st2[0].toTensor();
+}
+
+/* conv_onednn.conv_acc: the exact accumulator, the input channels cut where 255 * sum |q_w[o]| could pass 2^24
+ * (channel_chunks: greedy contiguous ranges; nearly every layer is one) */
+at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation) {
+    constexpr int64_t limit = (int64_t(1) << 24) / 255;  // conv_onednn.WEIGHT_ABS_LIMIT
+    const at::Tensor u8 = q_x.view(at::kByte).bitwise_xor(128);
+    const int64_t zp = (int64_t)z + 128;
+    const at::Tensor per = q_w.to(at::kInt).abs().sum({2, 3}).to(at::kLong).contiguous();  // (O, C)
+    const int64_t O = per.size(0), C = per.size(1);
+    if (C == 0 || per.sum(1).max().item<int64_t>() <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
+    const auto a = per.accessor<int64_t, 2>();
+    std::vector<int64_t> run(O, 0);
+    at::Tensor acc;
+    int64_t c0 = 0;
+    for (int64_t c = 0; c <= C; ++c) {
+        bool cut = c == C;
+        if (!cut && c > c0)
+            for (int64_t o = 0; o < O && !cut; ++o) cut = run[o] + a[o][c] > limit;
+        if (cut) {
+            at::Tensor part = onednn_one(u8.slice(1, c0, c), zp, q_w.slice(1, c0, c).contiguous(), stride, padding,
+                                         dilation).to(at::kInt);
+            acc = acc.defined() ? acc.add_(part) : part;
+            std::fill(run.begin(), run.end(), 0);
+            c0 = c;
+        }
+        if (c < C)
+            for (int64_t o = 0; o < O; ++o) run[o] += a[o][c];
+    }
+    return acc.to(at::kFloat);
+}
+
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
                          const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
                          at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
@@ -102,6 +157,13 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
         at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
         at::Tensor y = acc.mul_(scale);
         return bias.defined() ? y.add_(bias.reshape({1, O, 1, 1})) : y;
+    }
+    if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
+        at::Tensor acc = onednn_acc(q_x, z, q_w, stride, padding, dilation);
+        at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
+        at::Tensor y = acc.mul_(scale);
+        if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
+        return channels_last(q_x) ? y : y.contiguous();
     }
     // int_conv2d._im2col: (B, C, H, W) codes -> (B*Ho*Wo, C*kh*kw), columns (i, j, c), c fastest
     const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0],

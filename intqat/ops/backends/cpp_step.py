@@ -17,7 +17,8 @@ intqat/ops/int_linear.py and int_conv2d.py, which register it, `Reference.define
         as Python numbers (eager CPU calls; None otherwise).
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
-        x_scale_float32, finite, empty, fits_one_fp32_conv, K).
+        x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry). Its forward GEMM: oneDNN's
+        int8 conv where the table runs `conv_int8` on onednn_conv, else im2col + the table's `int_mm`.
 """
 
 from __future__ import annotations
@@ -127,6 +128,10 @@ class CppStep(Backend):
             return reason
         if grouped:  # an exact fp32 conv of the codes: no integer GEMM
             return 0, False, False, tuple((p, "cpu_fused") for p in steps)
+        if self.table.runs("conv_int8", spec.gemm_shape, spec.geometry) == "onednn_conv":
+            # oneDNN's int8 conv: the accumulator without im2col, then the epilogue's float steps (no int32 epilogue)
+            ran = (("conv_int8", "onednn_conv"), *((p, "cpu_fused") for p in steps if p != "epilogue"))
+            return ops.CONV_ONEDNN, False, False, ran
         gemm = self._gemm("int_mm", None)
         if isinstance(gemm, str):
             return gemm
