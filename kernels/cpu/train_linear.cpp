@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "digit_matmul.h"  // intqat::digit_matmul, intqat::dequantized (the backward GEMMs' operands)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
@@ -43,12 +44,6 @@ void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
-void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
-                            float z, float *out);
-void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
-                         int64_t ss, int8_t *digits, int64_t ld, int64_t plane, int32_t *shift, int32_t *rowsum);
-void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
-                           int32_t z, const uint8_t *mask, float *out);
 // int16_gemm.c (the avx2_int16 backend's linear; in every build, an aborting stub without AVX2, which the
 // Python side never asks for: cpu_kernels.int16_gemm_available())
 void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
@@ -62,6 +57,8 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using intqat::dequantized;
+using intqat::digit_matmul;
 using intqat::scratch;
 
 template <typename T>
@@ -78,36 +75,6 @@ at::Tensor packed(const at::Tensor &mask) {
 
 void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
     if (bits.numel() && g.numel()) intqat_mask_zero_bits(ptr<float>(g), ptr<uint8_t>(bits), g.numel());
-}
-
-/* The backward GEMM a (R, C) fp32 (any strides) @ q (C, K) int8 -> (R, K) fp32 on the int8 units:
- * cpu_fused.digit_matmul (digits stacked into one torch._int_mm call). z: q's zero point. */
-at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z) {
-    const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
-    at::Tensor digits = scratch("digits", {3, R, C}, at::kChar);
-    at::Tensor shift = at::empty({R}, at::TensorOptions().dtype(at::kInt));
-    at::Tensor rowsum = z ? at::empty({3, R}, at::TensorOptions().dtype(at::kInt)) : at::Tensor();
-    at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
-    if (R == 0) return out;
-    intqat_split_digits(ptr<float>(a), R, C, a.stride(0), a.stride(1), ptr<float>(col_scale),
-                        col_scale.numel() > 1 ? 1 : 0, ptr<int8_t>(digits), C, R * C, ptr<int32_t>(shift),
-                        ptr<int32_t>(rowsum));
-    at::Tensor acc = scratch("digit_acc", {3 * R, K}, at::kInt);
-    at::_int_mm_out(acc, digits.view({3 * R, C}), intqat::int_mm_operand(q));
-    if (out.numel()) intqat_combine_digits(ptr<int32_t>(acc), R, K, ptr<int32_t>(shift), ptr<int32_t>(rowsum), z,
-                                           nullptr, ptr<float>(out));
-    return out;
-}
-
-/* (q - z) * scale per row (per_row) or one scale, into this thread's scratch for `role`: an operand that
- * dies in the next mm (cpu_kernels.dequantize_rows). */
-at::Tensor dequantized(const char *role, const at::Tensor &q, const at::Tensor &scale, int32_t z, bool per_row) {
-    at::Tensor out = scratch(role, q.sizes(), at::kFloat);
-    const int64_t rows = per_row ? q.size(0) : 1;
-    if (q.numel())
-        intqat_dequantize_rows(ptr<int8_t>(q), rows, q.numel() / rows, ptr<float>(scale), per_row ? 1 : 0,
-                               (float)z, ptr<float>(out));
-    return out;
 }
 
 }  // namespace
