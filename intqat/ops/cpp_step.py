@@ -19,12 +19,11 @@ builds, loads and calls them. The observer op runs where the observer's own Pyth
 compare both ways); a build failure (no C++ compiler, no torch headers) warns once and keeps the Python paths.
 
 The library is compiled on first use (~25 s, `$CXX`, default `c++`) against torch's headers into the
-kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
+kernels' cache dir, keyed like the C library (`cbuild.build_library`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import warnings
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from intqat.ops import cpu_kernels
+from intqat.ops import cbuild, cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
@@ -42,15 +41,11 @@ __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason: str | None = None  # why it is not available (None: it is, or not tried)
-_switch = cpu_kernels.OffSwitch()
+_switch = cbuild.OffSwitch()
 
 
 def _sources() -> list[Path]:
-    spec = importlib.util.find_spec("intqat.kernels")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package intqat.kernels not found")
-    root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
-    return [root / "train_linear.cpp", root / "train_conv.cpp", root / "train_grouped.cpp", root / "observe.cpp"]
+    return cbuild.kernel_sources(("train_linear.cpp", "train_conv.cpp", "train_grouped.cpp", "observe.cpp"))
 
 
 def _build_and_load() -> None:
@@ -63,7 +58,7 @@ def _build_and_load() -> None:
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-    path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
+    path = cbuild.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
                                      prefix="train_step", link=link,
                                      announce="intqat: compiling the C++ training ops against this torch (once per "
                                               "machine and torch version, ~25 s)")
