@@ -17,7 +17,8 @@ ConvNeXt  a ConvNeXt block: patchify stem conv4x4 s4 3->96 + LayerNorm, then dep
           Linear 96->384 -> GELU -> Linear 384->96 -> layer scale -> residual, twice; batch 16 on 3x32x32.
 Llama     a Llama-style decoder block under 8da4w (per-group int4 weights, group 32; per-token int8
           activations): RMSNorm, causal attention with grouped-query heads (4 query, 2 key/value heads, d 256),
-          RMSNorm, SwiGLU MLP (hidden 688); batch 4 x sequence 32 = 128 tokens. intqat: the seven linear
+          RMSNorm, SwiGLU MLP (hidden 768: 2/3 of 4d rounded up to a multiple of 256, as Llama sizes it);
+          batch 4 x sequence 32 = 128 tokens. intqat: the seven linear
           layers as per-group integer layers; torchao QAT: int4 per-group weights, int8 per-token activations.
 
 `python -m intqat.bench.blocks` times intqat.export_mixed_precision of a full-size MobileNet-V2 (torchvision's
@@ -216,7 +217,7 @@ class LlamaClassifier(nn.Module):
         return self.head(self.norm(self.block(x)).mean(dim=1))
 
 
-def make_llama_block(dim: int = 256, heads: int = 4, kv_heads: int = 2, hidden: int = 688,
+def make_llama_block(dim: int = 256, heads: int = 4, kv_heads: int = 2, hidden: int = 768,
                      classes: int = 10) -> nn.Module:
     return LlamaClassifier(dim, heads, kv_heads, hidden, classes)
 
@@ -245,7 +246,7 @@ BLOCKS: dict[str, tuple] = {
                  lambda q: (4, 3, 16, 16) if q else (16, 3, 32, 32), "w8a8"),
     "llama": (lambda q: f"Llama block 8da4w (GQA 4q/2kv heads, SwiGLU) d {64 if q else 256}, "
                         f"batch {2 if q else 4} x seq {8 if q else 32}",
-              lambda q, c: make_llama_block(64 if q else 256, 4, 2, 160 if q else 688, c),
+              lambda q, c: make_llama_block(64 if q else 256, 4, 2, 160 if q else 768, c),
               lambda q: (2, 8, 64) if q else (4, 32, 256), "8da4w"),
 }
 
