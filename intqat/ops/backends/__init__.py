@@ -214,12 +214,20 @@ def explain(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | No
                 verdict += " (forced, so the table went on)"
         lines.append(f"  {b.name:<11} {verdict}")
     if chosen is None:
-        lines.append("  no backend takes it" + ("; for a question with a shape: none is fast, so the op keeps its other "
-                                                  "algorithm (the digit GEMM's: the fp32 backward)" if shape else
-                                                  " (a primitive only some backends implement)"))
+        other = _OTHER_ALGORITHM.get(primitive, "its other path")
+        lines.append("  no backend takes it" + (f"; for a question with a shape: none is fast, so the op keeps its other "
+                                                  f"algorithm ({other})" if shape else
+                                                  f" (a primitive only some backends implement; the op keeps {other})"))
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+# what an op does when no backend takes a primitive only some implement (explain's last line)
+_OTHER_ALGORITHM = {"digit_matmul": "the digit GEMM's: the fp32 backward",
+                    "conv_int8": "the integer conv's: im2col + int_mm",
+                    "ste_grad_input": "the STE backward's: its GEMM, then the mask",
+                    "ste_grad_weight": "the STE backward's: its GEMM, then the mask"}
 
 
 def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | None:
