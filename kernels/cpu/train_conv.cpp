@@ -19,7 +19,9 @@
  *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
  *                  accumulator as fp32 (intqat/ops/conv_onednn.py: conv_acc, channel_chunks; the same calls)
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
- * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. */
+ * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. The clip
+ * masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in place on
+ * the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -39,6 +41,8 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
+void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
 // aborting stub without AVX2, which the Python side never asks for)
 void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b, int64_t N,
@@ -68,6 +72,25 @@ at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z,
         intqat_dequantize_rows(q.data_ptr<int8_t>(), rows, q.numel() / rows, scale.data_ptr<float>(), per_row ? 1 : 0,
                                z, out.data_ptr<float>());
     return out;
+}
+
+/* bool mask -> bits ((n + 7) / 8,) in the mask's memory order (intqat.ops.masks.pack_mask of a dense mask) */
+at::Tensor packed_bits(const at::Tensor &mask) {
+    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr(), mask.numel(), bits.data_ptr<uint8_t>());
+    return bits;
+}
+
+/* where(mask, grad, 0) with the mask as bits packed in the memory order of `like` (the codes): in place on grad (a
+ * fresh result of convolution_backward) when it has like's layout, else on a copy laid out as like. */
+at::Tensor masked_like(at::Tensor grad, const at::Tensor &bits, const at::Tensor &like) {
+    if (!bits.numel() || !grad.numel()) return grad;
+    if (!(grad.sizes() == like.sizes() && grad.strides() == like.strides() && dense(grad))) {
+        at::Tensor laid = at::empty_like(like, at::kFloat);
+        grad = laid.copy_(grad);
+    }
+    intqat_mask_zero_bits(grad.data_ptr<float>(), bits.data_ptr<uint8_t>(), grad.numel());
+    return grad;
 }
 
 /* A tensor over t's memory that is not a view (int_conv2d._not_a_view): in-place ops after the conv
@@ -222,7 +245,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
-        ctx->save_for_backward({q_x, mask_x, q_w, mask_w, s_x, s_w});
+        ctx->save_for_backward({q_x, packed_bits(mask_x), q_w, packed_bits(mask_w), s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
         ctx->saved_data["stride"] = stride;
         ctx->saved_data["padding"] = padding;
@@ -238,7 +261,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         if (!g.defined()) return out;
         g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
         auto saved = ctx->get_saved_variables();
-        const at::Tensor &q_x = saved[0], &mask_x = saved[1], &q_w = saved[2], &mask_w = saved[3], &s_x = saved[4],
+        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
                          &s_w = saved[5];
         const bool has_bias = ctx->saved_data["has_bias"].toBool();
         // (edges: x, weight, then bias only when given)
@@ -253,8 +276,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                                                                    : c10::nullopt,
                                           stride, padding, dilation, false, {0, 0}, ctx->saved_data["groups"].toInt(),
                                           {need_x, need_w, need_b});
-        if (need_x) out[0] = mask_x.numel() ? at::where(mask_x, std::get<0>(r), 0.0) : std::get<0>(r);
-        if (need_w) out[1] = mask_w.numel() ? at::where(mask_w, std::get<1>(r), 0.0) : std::get<1>(r);
+        if (need_x) out[0] = masked_like(std::get<0>(r), bits_x, q_x);
+        if (need_w) out[1] = masked_like(std::get<1>(r), bits_w, q_w);
         if (need_b) out[2] = std::get<2>(r);
         return out;
     }
