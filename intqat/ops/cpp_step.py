@@ -108,7 +108,9 @@ def disabled_depth() -> int:
 
 
 # The forward GEMMs the ops can run, by the backend whose kernel it is -> the ops' `gemm` argument
-LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd
+# torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd, AMX tiles (the linear op only: the table never runs a conv's
+# int_mm on amx, which does not implement int_mm)
+LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1, "amx": 2}
 CONV_ONEDNN = 2  # the conv op's `gemm` for oneDNN's int8 conv (backend onednn_conv), no im2col
 _linear_op = None
 _conv_op = None

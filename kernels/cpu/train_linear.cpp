@@ -12,8 +12,8 @@
  * (torch._int_mm, mm) on the same layouts. tests/test_cpp_step.py compares outputs and gradients bit
  * for bit.
  *
- * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM) or avx2_int16
- * (INT16) and everything else on cpu_fused (intqat/ops/cpp_step.py decides per shape): plain CPU
+ * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM), avx2_int16
+ * (INT16) or amx (AMX: the AMX forward kernel with its epilogue) and everything else on cpu_fused (intqat/ops/cpp_step.py decides per shape): plain CPU
  * tensors, nothing tracing, no learned (LSQ) scales.
  *
  * Forward, x (M, K) fp32 contiguous, W (N, K) (any strides):
@@ -49,9 +49,19 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
 void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
                          const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
                          const float *bias, int16_t *ap, int16_t *bp, float *y);
+// amx_linear.c (the amx backend's linear; taken only where cpu_kernels.amx_available(): the process holds the AMX
+// state, asked by the library itself)
+void intqat_amx_pack_bt(const int8_t *q, int64_t N, int64_t K, int64_t qs, int64_t Kp, int64_t Np, int8_t *bpack);
+void intqat_amx_linear(const int8_t *qx, const int8_t *qx_tail, int64_t M, int64_t lda, const int8_t *bpack,
+                       int64_t Kp, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x, int64_t sx_stride,
+                       const float *s_w, const float *bias, float *y);
 }
 
-enum Gemm : int64_t { INT_MM = 0 /* torch._int_mm: cpu_fused */, INT16 = 1 /* AVX2 vpmaddwd: avx2_int16 */ };
+enum Gemm : int64_t {
+    INT_MM = 0 /* torch._int_mm: cpu_fused */,
+    INT16 = 1 /* AVX2 vpmaddwd: avx2_int16 */,
+    AMX = 2 /* AMX tiles with the epilogue in the tile loop: amx (amx_linear.c) */
+};
 
 namespace {
 
@@ -139,6 +149,22 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
                 intqat_int16_linear(ptr<int8_t>(q_x), M, K, ptr<int8_t>(q_w), N, z, cs, ptr<float>(s_x),
                                     s_x.numel() > 1 ? 1 : 0, ptr<float>(s_w), ptr<float>(b), ptr<int16_t>(ap),
                                     ptr<int16_t>(bp), ptr<float>(y));
+            } else if (gemm == AMX) {  // cpu_kernels.amx_linear: the same pads, pack and call
+                constexpr int64_t rows = 32, cols = 32, depth = 64;  // cpu_kernels.AMX_ROWS, AMX_COLS, AMX_DEPTH
+                const int64_t Kp = (K + depth - 1) / depth * depth, Np = (N + cols - 1) / cols * cols;
+                at::Tensor a = q_x, tail;
+                if (Kp != K) {  // tile rows are Kp bytes: a padded copy (its pad meets zero rows of B)
+                    a = scratch("amx_a", {(M + rows - 1) / rows * rows, Kp}, at::kChar);
+                    a.narrow(0, 0, M).narrow(1, 0, K).copy_(q_x);
+                } else if (M % rows) {  // the last, partial row block from a 32-row copy, not past q_x's end
+                    tail = scratch("amx_a_tail", {rows, Kp}, at::kChar);
+                    tail.narrow(0, 0, M % rows).copy_(q_x.narrow(0, M - M % rows, M % rows));
+                }
+                at::Tensor bpack = scratch("amx_bt", {Np * Kp}, at::kChar);
+                intqat_amx_pack_bt(ptr<int8_t>(q_w), N, K, q_w.stride(0), Kp, Np, ptr<int8_t>(bpack));
+                intqat_amx_linear(ptr<int8_t>(a), tail.defined() ? ptr<int8_t>(tail) : nullptr, M, a.stride(0),
+                                  ptr<int8_t>(bpack), Kp, N, z, cs, ptr<float>(s_x), s_x.numel() > 1 ? 1 : 0,
+                                  ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
             } else {  // torch._int_mm, then the epilogue (the accumulator dies here: scratch)
                 at::Tensor acc = scratch("acc", {M, N}, at::kInt);
                 at::_int_mm_out(acc, q_x, intqat::int_mm_operand(q_w.t()));  // (K = 1: a copy)

@@ -1,15 +1,14 @@
 """The C++ training steps as a backend: `linear_step`, `grouped_step` and `conv_step` in one C++ autograd op each.
 
 intqat.ops.cpp_step builds and calls the ops (kernels/cpu/train_linear.cpp, train_grouped.cpp, train_conv.cpp);
-this class says
-when they may run. They call cpu_fused's C kernels for every elementwise pass and, for the forward GEMM,
-torch._int_mm (cpu_fused) or AVX2 vpmaddwd (avx2_int16): the same bits as the Python path, one call each
-way. So the table gives them a call only where its own choice for every primitive of that step is a kernel
+this class says when they may run. They call cpu_fused's C kernels for every elementwise pass and, for the forward
+GEMM, torch._int_mm (cpu_fused), AVX2 vpmaddwd (avx2_int16), the AMX forward kernel (amx; linear only) or oneDNN's int8
+conv (onednn_conv; convs only): the same bits as the Python path, one call each way. So the table gives them a call only where its own choice for every primitive of that step is a kernel
 the op calls; the reason names the primitive and where the table puts it otherwise (a forced backend, a
 GEMM the self-check refused, a CPU class).
 
-The primitives (`reference` implements both: the op's Python path, eager or traced; defined by
-intqat/ops/int_linear.py and int_conv2d.py, which register it, `Reference.define`):
+The primitives (`reference` implements them all: the op's Python path, eager or traced; defined by
+intqat/ops/int_linear.py, int_linear_grouped.py and int_conv2d.py, which register it, `Reference.define`):
 
     linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
         x2d (M, K) fp32 row-major, weight (N, K); shape (M, K, N). spec: int_linear.LinearStep, the op's options
@@ -90,7 +89,7 @@ class CppStep(Backend):
         b = self.table.runs(primitive, shape)
         if b not in ops.LINEAR_GEMMS:
             return (f"the table runs {primitive} on {b}{self.table.forced_note()}: the op's forward GEMM is "
-                    "cpu_fused's torch._int_mm or avx2_int16's kernel")
+                    "cpu_fused's torch._int_mm, avx2_int16's or amx's kernel")
         return ops.LINEAR_GEMMS[b]
 
     def _linear_plan(self, shape, spec) -> tuple | str:
