@@ -380,7 +380,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         "fake-quantizes activations to codes [0, 127] (reduce_range) but its converted kernels output [0, 255]: "
         "activations beyond the moving-average range clip in training and not in deployment.",
         f"intqat integer: prepare_qat('w8a8') (the Llama block: '8da4w', and torchao QAT with int4 weights in groups "
-        "of 32), calibrate on {s.calib_batches} batch(es), to_integer; activation "
+        f"of 32), calibrate on {s.calib_batches} batch(es), to_integer; activation "
         "observers stay on while training (moving average), convs fold BN with running statistics. torchao "
         "(QAT and int8 mixed-precision) only swaps nn.Linear: in the CNN its convs run in fp32 and only the head "
         "is quantized. torchao QAT activations are per-token asymmetric (0.18 has no symmetric per-token fake quant).",

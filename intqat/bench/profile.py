@@ -4,8 +4,8 @@ profile_int_linear   int_linear's forward + backward: top aten ops, over `steps`
                      `intqat-bench ops` times (static w8a8 and dynamic per-token int_linear, nn.Linear).
 profile_blocks       a whole train step of the real-model blocks (`--models`, intqat.bench.blocks): fp32,
                      intqat integer and torchao QAT side by side, self CPU time per step in op classes (OP_CLASSES:
-                     int8 GEMMs / convs, fp32 GEMMs / convs, intqat's quantize / epilogue passes inside its C++
-                     ops, layout and im2col copies, other elementwise work, the autograd engine) and what no op
+                     int8 GEMMs / convs, fp32 GEMMs / convs, intqat's C kernels inside its C++ ops (the quantize /
+                     epilogue / mask passes, and the per-group GEMM of the 8da4w step), layout and im2col copies, other elementwise work, the autograd engine) and what no op
                      accounts for (Python, dispatch, the C passes the Python path calls through ctypes).
 """
 
@@ -56,7 +56,7 @@ def profile_int_linear(M: int = 256, K: int = 1024, N: int = 1024, steps: int = 
 # Whole train steps of the blocks, per op class
 # ---------------------------------------------------------------------------------------------
 
-OP_CLASSES = ("int8 GEMM / conv", "fp32 GEMM / conv", "intqat C passes", "layout / im2col", "elementwise / norm / optim",
+OP_CLASSES = ("int8 GEMM / conv", "fp32 GEMM / conv", "intqat C kernels", "layout / im2col", "elementwise / norm / optim",
               "autograd engine", "Python / dispatch (no op)")
 _INT8 = ("aten::_int_mm", "onednn::qconv", "intqat::digit_matmul")
 _FP32 = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution_backward", "aten::mkldnn_convolution",
@@ -124,8 +124,9 @@ def profile_blocks(names: tuple[str, ...], steps: int = 10, quick: bool = False,
     flavours = (mod.FP32, mod.INTQAT_INT, mod.TORCHAO_QAT)
     lines = [f"intqat-bench profile   train step of each block by op class (torch.profiler self CPU time), "
              f"{steps} steps each; ms per step (share of the step)", *machine_lines(),
-             "classes: " + "; ".join(OP_CLASSES) + ". 'Python / dispatch' = wall time no op accounts for (the Python "
-             "path's ctypes C passes land here too). Wall times include the profiler's own overhead."]
+             "classes: " + "; ".join(OP_CLASSES) + ". 'intqat C kernels' = the self time of intqat's C++ ops: its "
+             "passes and, for 8da4w layers, the per-group GEMM. 'Python / dispatch' = wall time no op accounts for (the "
+             "Python path's ctypes C passes land here too). Wall times include the profiler's own overhead."]
     rows: dict = {}
     for title, make, x, preset in mod.selected_models(s, g):
         y = torch.randint(0, s.classes, (x.shape[0],), generator=g)
