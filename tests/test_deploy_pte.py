@@ -274,15 +274,6 @@ def test_cli_format_names_are_the_deploy_formats():
         parse_formats("pt2,tflite")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("intqat.deploy.onnx") is not None,
-                    reason="the ONNX exporter is installed: the onnx formats are wired, not refused")
-def test_onnx_formats_are_refused_until_their_exporter_exists():
-    from intqat.deploy.formats import check_formats
-
-    with pytest.raises(ValueError, match="no ONNX exporter yet"):
-        check_formats(["pt2", "onnx"])
-
-
 def test_a_layer_xnnpack_cannot_take_is_named_and_kept_float():
     """Per-group weights in groups of 16: XNNPACK's per-group GEMM takes int4 in groups of a multiple of 32 (its
     serializer asserts otherwise). The layer is kept float (w_hat, fp32 GEMM), named with the reason; the other

@@ -137,14 +137,23 @@ _UNDER_A_WRONG_INT_MM = textwrap.dedent(r"""
         out["int_mm_ran"] = sorted(name for (_, name) in ran)
         out["refusal"] = backends.get("cpu_fused").refuse("int_mm", (a, b), None, False)
         out["linear"] = {}
+        # fp32 backward GEMMs in both runs: the reference backend never takes the digit backward (its slow rule),
+        # so where digits pay here (AMX) the two runs would use two algorithms; the digit GEMM is checked below
         for case, kw in (("static", {}), ("dynamic", {"x_dynamic": True})):
             with backends.recording() as ran:
-                got = step(int_linear, **kw)
+                got = step(int_linear, grad_gemm="fp32", **kw)
             with backends.use_backend("reference"):
-                want = step(int_linear, **kw)
+                want = step(int_linear, grad_gemm="fp32", **kw)
             out["linear"][case] = {"exact": all(torch.equal(u, v) for u, v in zip(got, want)),
                                    "gemms": sorted({n for (p, n) in ran if p in ("linear", "digit_matmul")}),
                                    "step": sorted(n for (p, n) in ran if p == "linear_step")}
+        from intqat.ops.digit_gemm import digit_matmul
+        gd, qd = torch.randn(96, 512, generator=g), torch.randint(-128, 128, (512, 256), dtype=torch.int8, generator=g)
+        sd = torch.rand(512, generator=g) + 0.5
+        with backends.recording() as ran:
+            got = digit_matmul(gd, sd, qd, 0)
+        out["digit_ran"] = sorted(n for (p, n) in ran if p == "digit_matmul")
+        out["digit_exact"] = torch.equal(got, backends.get("reference").digit_matmul(gd, sd, qd, 0, None))
         x = torch.randn(2, 16, 12, 12, generator=g)
         W = torch.randn(32, 16, 3, 3, generator=g) * 0.1
         sw = torch.rand(32, generator=g) * 0.01 + 1e-3
@@ -214,7 +223,7 @@ def test_integer_layers_stay_exact_when_torch_int_mm_is_not(isa):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["int_mm_exact"] and out["conv_exact"] and out["grouped_exact"]
+    assert out["int_mm_exact"] and out["conv_exact"] and out["grouped_exact"] and out["digit_exact"]
     assert all(case["exact"] for case in out["linear"].values()), out["linear"]
     assert out["cpp_step"] is None  # the C++ op still runs: on the int16 GEMM where _int_mm is refused
     if full:
@@ -228,9 +237,15 @@ def test_integer_layers_stay_exact_when_torch_int_mm_is_not(isa):
         assert f"ONEDNN_MAX_CPU_ISA={isa}" in text and "torch._int_mm" in text, text
     no_int_mm = "avx2_int16" if backends.unavailable("avx2_int16") is None else "fp32_exact"
     assert out["int_mm_ran"] == [no_int_mm] and out["conv_int_mm"] == [no_int_mm]
-    for case in out["linear"].values():  # the C++ step, its forward GEMM the int16 one, no digit GEMM
-        assert case["gemms"] == [no_int_mm], case
-        assert case["step"] == (["cpp_step"] if no_int_mm == "avx2_int16" else ["reference"]), case
+    # the linear layer's forward GEMM: intqat's AMX kernel where the CPU has AMX (no library GEMM in it), else the
+    # int16 one inside the C++ step; the digit GEMM: AMX's, else the next backend that implements it
+    amx = backends.unavailable("amx") is None
+    linear_gemm = "amx" if amx else no_int_mm
+    for case in out["linear"].values():
+        assert case["gemms"] == [linear_gemm], case
+        assert case["step"] == (["cpp_step"] if linear_gemm == "avx2_int16" else ["reference"]), case
+    assert len(out["digit_ran"]) == 1 and out["digit_ran"] != ["cpu_fused"], out["digit_ran"]  # (the refused one)
+    assert not amx or out["digit_ran"] == ["amx"], out["digit_ran"]
     assert any(line.startswith("SELF-CHECK REFUSED torch._int_mm") for line in out["bench_header"]), out["bench_header"]
     if full:
         assert out["export"]["integer_program_exact"] is False and out["export"]["reference_equals_integer_model"] is False

@@ -59,6 +59,17 @@ INDEX_ARG_OP_NAMES: tuple[str, ...] = (
     "take_along_dim", "embedding", "embedding_bag", "masked_scatter",
 )
 
+# Recurrent layers' ops (nn.LSTM / nn.GRU / nn.RNN export as one aten.lstm / gru / rnn_* node): always fp32 (rule
+# recurrent_op). Their state is carried from step to step, so a rounding compounds with the sequence length; intqat
+# has no integer recurrent layer, and the census names them float. And the cast pass could not recompute such a
+# node's output dtype on fake inputs: at::native::lstm calls numel() on its input, which a dynamic batch makes
+# symbolic ("Cannot call numel() on tensor with symbolic sizes/strides"); an fp32 node keeps its inputs as they were
+# and needs no recomputation.
+RECURRENT_OP_NAMES: tuple[str, ...] = (
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+)
+
 # Elementwise ops without torch.Tag.pointwise (which covers relu, gelu, tanh, clamp, ...):
 # an elementwise op kept between fp32 neighbours stays fp32 (rules: isolated_elementwise).
 ELEMENTWISE_EXTRA_OP_NAMES: tuple[str, ...] = ("hardswish", "prelu", "_prelu_kernel", "dropout",
@@ -78,6 +89,7 @@ def _packets(names: tuple[str, ...]) -> frozenset[OpOverloadPacket]:
 WIDEST_TYPE_OPS = _packets(WIDEST_TYPE_OP_NAMES)
 INDEX_ARG_OPS = _packets(INDEX_ARG_OP_NAMES)
 CAST_OPS = _packets(CAST_OP_NAMES)
+RECURRENT_OPS = _packets(RECURRENT_OP_NAMES)
 ELEMENTWISE_EXTRA_OPS = _packets(ELEMENTWISE_EXTRA_OP_NAMES)
 
 

@@ -19,7 +19,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from .config import AutocastConfig
-from .ops import (CAST_OPS, INDEX_ARG_OPS, WIDEST_TYPE_OPS, _MISSING, arg_value, is_elementwise,
+from .ops import (CAST_OPS, INDEX_ARG_OPS, RECURRENT_OPS, WIDEST_TYPE_OPS, _MISSING, arg_value, is_elementwise,
                   packet_of, tensors)
 from .reduction import too_deep
 
@@ -33,6 +33,7 @@ RULES = (
     "non_fp32_dtype",           # fp64 or already-low values: not ours to change
     "constant",                 # no tensor inputs (zeros, arange, full): dtype fixed by op
     "integer_layer",            # quantize prologue / float epilogue of IntLinear & co: fp32
+    "recurrent_op",             # aten.lstm / gru / rnn_*: state carried across steps, fp32 (ops.RECURRENT_OP_NAMES)
     "nodes_to_exclude",
     "targets_to_exclude",
     "fp32_ops",
@@ -146,6 +147,8 @@ def _fixed_rule(node: torch.fx.Node, cfg: AutocastConfig, amax: dict | None) -> 
         return Decision(UNCHANGED, "constant")
     if _in_integer_layer(node, cfg.integer_module_types):
         return Decision(FP32, "integer_layer")
+    if packet_of(target) in RECURRENT_OPS:
+        return Decision(FP32, "recurrent_op")
     if any(p.search(node.name) for p in cfg.node_patterns):
         return Decision(FP32, "nodes_to_exclude")
     if target in cfg.excluded_targets:

@@ -1,5 +1,6 @@
-"""`intqat-bench deploy`: the int8 .pte (ExecuTorch, XNNPACK) against an fp32 .pte of the same model, at batch 1
-and 32: latency and file size, and the .pte's agreement with intqat's integer model (issue 23).
+"""`intqat-bench deploy`: the int8 .pte (ExecuTorch, XNNPACK) against an fp32 .pte of the same model, and the Q/DQ and
+integer ONNX files in onnxruntime against an fp32 ONNX of the same model, at batch 1 and 32: latency and file size,
+and each file's agreement with intqat's integer model (issue 23).
 
 Models:
   digits MLP   the default recipe (mlp_digits_w8a8: 64 -> 128 -> 128 -> 10, w8a8 static), trained here along the
@@ -8,13 +9,14 @@ Models:
                linear head, random weights, calibrated on random batches, w8a8 static and w8a8_dynamic
 
 Every .pte is made by intqat.deploy.executorch.export_pte (its census decides what runs where); the fp32 .pte is
-the same model with every layer float, lowered with XNNPACK the same way. Latency: median CPU time
-(time.process_time) of interleaved calls, one XNNPACK thread, in a fresh Python that never imports intqat (the
-files as a deployer loads them). ONNX rows (fp32 ONNX against Q/DQ ONNX in onnxruntime) come with
-intqat.deploy.onnx (the ONNX part of issue 23); until it is installed the table says so.
+the same model with every layer float, lowered with XNNPACK the same way. Every ONNX file is made by
+intqat.deploy.onnx.export_onnx (form qdq: model.onnx; form int: model.int.onnx); the fp32 ONNX is the same model with
+every layer float (its dequantized weights). Latency: median CPU time (time.process_time) of interleaved calls, one
+thread (XNNPACK / onnxruntime), in a fresh Python that never imports intqat (the files as a deployer loads them).
 
 Targets (issue 23), at batch 1: int8 .pte latency <= 0.6x the fp32 .pte and size <= 0.3x for the digits MLP and
-the encoder block; top-1 agreement with the integer model 100% on the digits test split.
+the encoder block; Q/DQ ONNX latency <= 0.7x the fp32 ONNX; top-1 agreement with the integer model 100% on the
+digits test split; the integer ONNX equal to the integer model bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from intqat.bench.timing import machine_info, machine_lines
 
 __all__ = ["run_deploy_bench", "DeploySettings", "TARGETS"]
 
-TARGETS = {"latency_ratio_b1": 0.6, "size_ratio": 0.3, "digits_top1": 1.0}
+TARGETS = {"latency_ratio_b1": 0.6, "size_ratio": 0.3, "digits_top1": 1.0, "onnx_latency_ratio_b1": 0.7}
+FORMATS = {"pte": ".pte XNNPACK", "onnx": "ONNX Q/DQ", "onnx-int": "ONNX int"}
 
 
 @dataclass(frozen=True)
@@ -73,22 +76,31 @@ def _encoder(s: DeploySettings, preset: str):
     return model, batches[0][0][:2].clone(), batches, validation
 
 
-def _row(table: Table, name: str, result, batch: int, first: bool) -> None:
+def _where(result, fmt: str) -> str:
+    """The census in a few words: where the integer layers run (.pte) / what they became (ONNX)."""
+    counts: dict[str, int] = {}
+    for c in result.census:
+        key = c.where.split(" (")[0] if fmt == "pte" else ("kept float" if c.became == "kept float" else
+                                                          "Q/DQ" if fmt == "onnx" else "integer ops")
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {w}" for w, n in counts.items())
+
+
+def _row(table: Table, name: str, fmt: str, result, batch: int, first: bool) -> None:
     t = result.latency["per_batch"].get(batch) or result.latency["per_batch"].get(str(batch))
     v = result.validation
-    where: dict[str, int] = {}
-    for c in result.census:
-        key = c.where.split(" (")[0]
-        where[key] = where.get(key, 0) + 1
-    cells = [name if first else "", str(batch), fmt_num(t["fp32_ms"]), fmt_num(t["int8_ms"]), fmt_ratio(t["ratio"]),
-             f"{result.size['fp32_bytes'] / 1024:.1f}", f"{result.size['int8_bytes'] / 1024:.1f}",
-             fmt_ratio(result.size["ratio"]), f"{100 * v['top1_agreement']:.2f}%", fmt_num(v["max_diff_in_steps"]),
-             ", ".join(f"{n} {w}" for w, n in where.items())]
-    table.add(cells, {"model": name, "batch": batch, "fp32_ms": t["fp32_ms"], "int8_ms": t["int8_ms"],
-                      "latency_ratio": t["ratio"], "fp32_bytes": result.size["fp32_bytes"],
-                      "int8_bytes": result.size["int8_bytes"], "size_ratio": result.size["ratio"],
-                      "top1_agreement": v["top1_agreement"],
-                      "max_diff_in_steps": v["max_diff_in_steps"], "samples": v["samples"],
+    ms, fp32_ms = (t["int8_ms"], t["fp32_ms"]) if fmt == "pte" else (t["ms"], t["fp32_ms"])
+    size, fp32_size = (result.size["int8_bytes"], result.size["fp32_bytes"]) if fmt == "pte" else \
+        (result.size["bytes"], result.size["fp32_bytes"])
+    exact = fmt != "pte" and v.get("bit_exact")
+    cells = [name if first else "", FORMATS[fmt], str(batch), fmt_num(fp32_ms), fmt_num(ms), fmt_ratio(ms / fp32_ms),
+             f"{fp32_size / 1024:.1f}", f"{size / 1024:.1f}", fmt_ratio(size / fp32_size),
+             f"{100 * v['top1_agreement']:.2f}%", "0 (bit for bit)" if exact else fmt_num(v["max_diff_in_steps"]),
+             _where(result, fmt)]
+    table.add(cells, {"model": name, "format": fmt, "batch": batch, "fp32_ms": fp32_ms, "int8_ms": ms,
+                      "latency_ratio": ms / fp32_ms, "fp32_bytes": fp32_size, "int8_bytes": size,
+                      "size_ratio": size / fp32_size, "top1_agreement": v["top1_agreement"],
+                      "max_diff_in_steps": v["max_diff_in_steps"], "bit_exact": bool(exact), "samples": v["samples"],
                       "census": [c.to_dict() for c in result.census]})
 
 
@@ -96,39 +108,48 @@ def run_deploy_bench(quick: bool = False, repeats: int | None = None, info: dict
     """The table (module docstring); its data rows hold the raw numbers."""
     from intqat.deploy import require
     from intqat.deploy.executorch import export_pte
-    from intqat.deploy.formats import onnx_exporter
+    from intqat.deploy.onnx import export_onnx
 
-    require("pte")
+    for fmt in FORMATS:
+        require(fmt)
     s = DeploySettings.quick_settings(repeats) if quick else DeploySettings(**({"repeats": repeats} if repeats else {}))
     info = info or machine_info()
     table = Table(
-        title="intqat-bench deploy: int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte of the same model",
+        title="intqat-bench deploy: int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte; Q/DQ and integer ONNX vs fp32 ONNX "
+              "(onnxruntime) of the same model",
         header_lines=machine_lines(info) + [
-            f"executorch {version('executorch')}; latency: median CPU ms of {s.repeats} interleaved calls, one XNNPACK "
-            "thread, in a Python that never imports intqat; agreement: the .pte against intqat's integer model",
-            f"targets at batch 1: int8 latency <= {TARGETS['latency_ratio_b1']}x, size <= {TARGETS['size_ratio']}x; "
-            "digits top-1 agreement 100%",
+            f"executorch {version('executorch')}, onnxruntime {version('onnxruntime')}; latency: median CPU ms of "
+            f"{s.repeats} interleaved calls, one thread, in a Python that never imports intqat; agreement: each file "
+            "against intqat's integer model",
+            f"targets at batch 1: int8 .pte latency <= {TARGETS['latency_ratio_b1']}x and size <= "
+            f"{TARGETS['size_ratio']}x the fp32 .pte; Q/DQ ONNX latency <= {TARGETS['onnx_latency_ratio_b1']}x the fp32 "
+            "ONNX; digits top-1 agreement 100%; ONNX int bit for bit",
         ],
-        columns=["model", "batch", "fp32 ms", "int8 ms", "latency", "fp32 KiB", "int8 KiB", "size", "top-1 agree",
-                 "max |diff| steps", "integer layers run in"],
+        columns=["model", "format", "batch", "fp32 ms", "int8 ms", "latency", "fp32 KiB", "int8 KiB", "size",
+                 "top-1 agree", "max |diff| steps", "integer layers"],
     )
     models = [("digits MLP w8a8 (test split)", lambda: _digits(s))]
     enc = f"encoder d{s.d_model} seq{s.seq}"
     models += [(f"{enc} w8a8", lambda: _encoder(s, "w8a8")), (f"{enc} w8a8_dynamic", lambda: _encoder(s, "w8a8_dynamic"))]
     for name, build in models:
         model, example, calibration, validation = build()
-        result = export_pte(model, (example,), calibration_data=calibration, validation_data=validation,
-                            latency_batches=s.batches, latency_repeats=s.repeats)
-        for i, batch in enumerate(s.batches):
-            _row(table, name, result, batch, first=i == 0)
+        results = {"pte": export_pte(model, (example,), calibration_data=calibration, validation_data=validation,
+                                     latency_batches=s.batches, latency_repeats=s.repeats)}
+        for fmt, form in (("onnx", "qdq"), ("onnx-int", "int")):
+            results[fmt] = export_onnx(model, (example,), None, form=form, calibration_data=calibration,
+                                       validation_data=validation, fp32_baseline=True, latency_batches=s.batches,
+                                       latency_repeats=s.repeats)
+        first = True
+        for fmt, result in results.items():
+            for batch in s.batches:
+                _row(table, name, fmt, result, batch, first=first)
+                first = False
         if name.startswith("digits"):
-            table.meta["digits"] = {"top1_agreement": result.validation["top1_agreement"],
-                                    "accuracy": result.validation.get("accuracy"),
-                                    "accuracy_integer": result.validation.get("accuracy_integer")}
+            table.meta["digits"] = {f: {"top1_agreement": r.validation["top1_agreement"],
+                                        "accuracy": r.validation.get("accuracy"),
+                                        "accuracy_integer": r.validation.get("accuracy_integer")}
+                                    for f, r in results.items()}
     table.meta.update(machine=info, settings=s.__dict__, targets=TARGETS)
-    if onnx_exporter() is None:
-        table.footnotes.append("ONNX (fp32 ONNX vs Q/DQ ONNX in onnxruntime): not measured, intqat.deploy.onnx is not "
-                               "part of this intqat yet")
     table.footnotes += _verdicts(table)
     return table
 
@@ -136,14 +157,21 @@ def run_deploy_bench(quick: bool = False, repeats: int | None = None, info: dict
 def _verdicts(table: Table) -> list[str]:
     out = []
     for r in table.data:
-        if r["batch"] != 1 or not r["model"].startswith(("digits", "encoder")) or r["model"].endswith("w8a8_dynamic"):
+        if r["batch"] != 1 or r["model"].endswith("w8a8_dynamic") and r["format"] != "onnx-int":
             continue
         lat, size = r["latency_ratio"], r["size_ratio"]
-        out.append(f"{r['model']}: batch-1 latency {lat:.2f}x ({'met' if lat <= TARGETS['latency_ratio_b1'] else 'NOT met'}),"
-                   f" size {size:.2f}x ({'met' if size <= TARGETS['size_ratio'] else 'NOT met'})")
-    digits = table.meta.get("digits")
-    if digits is not None:
-        ok = digits["top1_agreement"] >= TARGETS["digits_top1"]
-        out.append(f"digits top-1 agreement with the integer model {100 * digits['top1_agreement']:.2f}% "
+        if r["format"] == "pte":
+            out.append(f"{r['model']}, .pte: batch-1 latency {lat:.2f}x "
+                       f"({'met' if lat <= TARGETS['latency_ratio_b1'] else 'NOT met'}), size {size:.2f}x "
+                       f"({'met' if size <= TARGETS['size_ratio'] else 'NOT met'})")
+        elif r["format"] == "onnx":
+            out.append(f"{r['model']}, ONNX Q/DQ: batch-1 latency {lat:.2f}x "
+                       f"({'met' if lat <= TARGETS['onnx_latency_ratio_b1'] else 'NOT met'}), size {size:.2f}x")
+        else:
+            out.append(f"{r['model']}, ONNX int: {'bit for bit' if r['bit_exact'] else 'NOT bit for bit'} "
+                       f"({r['max_diff_in_steps']:.2g} steps), batch-1 latency {lat:.2f}x")
+    for fmt, d in (table.meta.get("digits") or {}).items():
+        ok = d["top1_agreement"] >= TARGETS["digits_top1"]
+        out.append(f"digits top-1 agreement with the integer model, {FORMATS[fmt]}: {100 * d['top1_agreement']:.2f}% "
                    f"({'met' if ok else 'NOT met'})")
     return out

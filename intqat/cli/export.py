@@ -4,11 +4,14 @@
     intqat-export path/to/last.ckpt recipe=mlp_digits_w8a8 --out export/
     intqat-export RUN_DIR --low-precision fp16 --data-max 256 model.hidden=[64,64]
     intqat-export RUN_DIR --format pt2,pte                          # + model.pte (ExecuTorch, XNNPACK)
+    intqat-export RUN_DIR --format onnx,onnx-int                    # model.onnx (Q/DQ), model.int.onnx (integer ops)
 
 Formats (--format, comma-separated; default: the config's export.formats, else pt2):
   pt2       model.pt2 + report.json / report.md: the torch.export program (intqat.export)
   pte       model.pte + model_report.json / .md: ExecuTorch lowered with XNNPACK (intqat.deploy.executorch)
-  onnx      model.onnx (Q/DQ) and onnx-int: model.int.onnx (integer ops): intqat.deploy.onnx
+  onnx      model.onnx + model_onnx_report.json / .md: QuantizeLinear / DequantizeLinear (intqat.deploy.onnx)
+  onnx-int  model.int.onnx + model_int_onnx_report.json / .md: MatMulInteger / ConvInteger, equal to the
+            integer model bit for bit in onnxruntime (intqat.deploy.onnx, form="int")
 Each format's packages are checked before anything is loaded (pip install 'intqat[deploy]').
 
 The model is rebuilt from the run's composed config (RUN_DIR/.hydra/config.yaml, or config.yaml)
@@ -255,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated formats to write, of {','.join(FORMATS)} (default: the config's "
                         "export.formats, else pt2)")
     p.add_argument("--max-batch", type=int, default=64,
-                   help="pte: the largest batch the .pte takes (ExecuTorch plans memory for it; default 64)")
+                   help="pte: the largest batch the .pte takes (ExecuTorch plans memory for it; default 64); "
+                        "onnx: bounds the trace only (the file takes any batch)")
     p.add_argument("--aoti", action="store_true",
                    help="also write model.aoti.pt2: the program compiled by AOTInductor for this CPU (~15 s; "
                         "lowest latency; checked equal to model.pt2 before it is kept)")
@@ -362,10 +366,8 @@ def run(args) -> Path:
     pte = results.get("pte")
     if pte is not None:
         paths.update({p.name: p for p in (pte.path, pte.path.with_name("model_report.md"))})
-    onnx_forms = [f for f in deploy if f.startswith("onnx")]
-    for form in onnx_forms:
-        name = "model.onnx" if form == "onnx" else "model.int.onnx"
-        paths[name] = out / name
+    for fmt in [f for f in deploy if f.startswith("onnx")]:
+        paths.update({p.name: p for p in (results[fmt].path, _onnx_report(results[fmt].path))})
 
     print(f"intqat-export: wrote {out}")
     if result is not None:
@@ -382,10 +384,21 @@ def run(args) -> Path:
         print(f"  report       {paths['report.md']}")
     if pte is not None:
         print_pte_summary(pte, paths, args.split)
-    for form in onnx_forms:
-        name = "model.onnx" if form == "onnx" else "model.int.onnx"
-        print(f"  {name:<12} {paths[name].stat().st_size / 1024:.1f} KiB")
+    for fmt in [f for f in deploy if f.startswith("onnx")]:
+        print_onnx_summary(results[fmt], paths)
     return out
+
+
+def _onnx_report(path: Path) -> Path:
+    return path.with_name(f"{path.name.replace('.', '_')}_report.md")  # (OnnxResult.save's name)
+
+
+def print_onnx_summary(result, paths: dict) -> None:
+    name = result.path.name
+    print(f"  {name:<12} {paths[name].stat().st_size / 1024:.1f} KiB (ONNX, onnxruntime); " + result.lines()[0])
+    for line in result.lines()[1:]:
+        print(f"  {'':<12} {line}")
+    print(f"  report       {paths[_onnx_report(result.path).name]}")
 
 
 def export_deploy(model, example, out: Path, formats: list[str], calibration, validation, options: dict,

@@ -2,6 +2,8 @@
 
     intqat.deploy.to_qdq(model)                                   # the Q/DQ form every runtime's quantizer emits
     intqat.deploy.executorch.export_pte(model, (x,), "model.pte")  # ExecuTorch, lowered with XNNPACK
+    intqat.deploy.onnx.export_onnx(model, (x,), "model.onnx", form="qdq")     # QuantizeLinear / DequantizeLinear
+    intqat.deploy.onnx.export_onnx(model, (x,), "model.int.onnx", form="int") # MatMulInteger / ConvInteger, exact
 
 A format whose packages are missing raises MissingDeployPackage naming them: pip install 'intqat[deploy]'.
 """

@@ -38,28 +38,24 @@ def parse_formats(value: str | Iterable[str] | None) -> list[str]:
 
 
 def onnx_exporter():
-    """intqat.deploy.onnx.export_onnx, or None while it is not part of this intqat."""
-    try:
-        from intqat.deploy.onnx import export_onnx
-    except ImportError:
-        return None
+    """intqat.deploy.onnx.export_onnx."""
+    from intqat.deploy.onnx import export_onnx
+
     return export_onnx
 
 
 def check_formats(formats: Sequence[str]) -> None:
-    """Every format's packages (MissingDeployPackage names the extra) and exporter, before anything is loaded."""
+    """Every format's packages (MissingDeployPackage names the extra), before anything is loaded."""
     for fmt in formats:
         require(fmt)
-        if fmt in ("onnx", "onnx-int") and onnx_exporter() is None:
-            raise ValueError(f"format {fmt!r}: this intqat has no ONNX exporter yet (intqat.deploy.onnx.export_onnx, "
-                             "the ONNX part of issue #23, is not installed here); use pt2 or pte")
 
 
 def export_deploy_formats(model, example_inputs: Any, out_dir: str | os.PathLike, formats: Sequence[str], *,
                           calibration_data=None, validation_data=None, max_batch: int = 64,
                           info: dict | None = None, **autocast_options: Any) -> dict[str, Any]:
-    """Export and write every deploy format of `formats` (pt2 is its callers') into out_dir, each file atomically;
-    -> format -> its result (PteResult, ...). All are exported before any is written: a failure writes nothing.
+    """Export and write every deploy format of `formats` (pt2 is its callers') into out_dir, each file atomically
+    with its report beside it; -> format -> its result (PteResult, OnnxResult). All are exported before any is
+    written: a failure writes nothing.
     autocast_options: intqat.autocast's, as for model.pt2 (low_precision_type applies to the float regions).
     info: entries for the reports (the source, the split)."""
     check_formats(formats)
@@ -70,10 +66,13 @@ def export_deploy_formats(model, example_inputs: Any, out_dir: str | os.PathLike
 
         results["pte"] = export_pte(model, example_inputs, None, calibration_data=calibration_data,
                                     validation_data=validation_data, max_batch=max_batch, **autocast_options)
-    onnx = [f for f in formats if f in ("onnx", "onnx-int")]
-    if "pte" in results:
-        results["pte"].info.update(info or {})
-        results["pte"].save(out / FILES["pte"])
-    for fmt in onnx:  # (the ONNX exporter writes its own file, atomically)
-        results[fmt] = onnx_exporter()(model, example_inputs, out / FILES[fmt], form="qdq" if fmt == "onnx" else "int")
+    for fmt in [f for f in formats if f in ("onnx", "onnx-int")]:
+        # (max_batch bounds the trace only: the file's batch axis is symbolic; bf16 float regions stay fp32 there,
+        # onnxruntime's CPU provider has no bf16 kernels: the result's notes say so)
+        results[fmt] = onnx_exporter()(model, example_inputs, None, form="qdq" if fmt == "onnx" else "int",
+                                       calibration_data=calibration_data, validation_data=validation_data,
+                                       max_batch=max_batch, fp32_baseline=True, **autocast_options)
+    for fmt, result in results.items():
+        result.info.update(info or {})
+        result.save(out / FILES[fmt], report=True)
     return results
