@@ -114,3 +114,27 @@ def test_timer_and_counters_on_toy_inputs():
     peak = peak_transient_bytes(lambda: torch.empty(1 << 20, dtype=torch.uint8))
     if peak is not None:
         assert peak >= 1 << 20
+
+
+def test_models_flag_names_the_unknown(capsys):
+    assert main(["modules", "--quick", "--models", "resnet,vgg"]) == 2
+    err = capsys.readouterr().err
+    assert "vgg" in err and "resnet" in err and "llama" in err
+
+
+def test_profile_blocks_quick(tmp_path, capsys, one_thread):
+    """`profile --models`: per block, every flavour's step split into the op classes; the classes add up to the wall
+    time (the last class is defined as the remainder), and the integer step ran an int8 GEMM or conv."""
+    from intqat.bench.profile import OP_CLASSES
+
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--quick", "--models", "mbconv", "--repeats", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "MBConv" in text and "int8 GEMM / conv" in text
+    (rows,) = json.loads(out.read_text())["profile"].values()
+    assert {"fp32", "intqat integer w8a8"} <= set(rows)
+    for name, rec in rows.items():
+        assert set(rec["classes_ms"]) == set(OP_CLASSES)
+        assert math.isclose(sum(rec["classes_ms"].values()), rec["wall_ms"], rel_tol=1e-6) or \
+            rec["classes_ms"][OP_CLASSES[-1]] == 0
+    assert rows["intqat integer w8a8"]["classes_ms"]["int8 GEMM / conv"] > 0

@@ -99,6 +99,22 @@ def test_cpp_op_with_the_avx2_int16_forward_equals_the_python_path(M, K, N, dyna
     _assert_same(got, _step(M, K, N, python=True, **kw))
 
 
+@pytest.mark.parametrize("M,K,N", [(256, 128, 512), (100, 1000, 1200), (100, 1024, 1200), (64, 64, 4096)])
+@pytest.mark.parametrize("dynamic,w_scale", [(False, True), (True, False)])
+def test_cpp_op_with_the_amx_forward_equals_the_python_path(M, K, N, dynamic, w_scale):
+    """The AMX forward kernel (epilogue in the tile loop) inside the op: padded K, a partial last row block, and
+    layers the table puts on amx unforced (BERT-tiny's first FFN layer, 256x128x512). grad_gemm="fp32": the op
+    calls torch._int_mm's digit GEMM, not AMX's, so a layer whose digits the table puts on amx keeps the Python path."""
+    reason = backends.unavailable("amx")
+    if reason is not None:
+        pytest.skip(f"backend amx cannot run here: {reason}")
+    kw = dict(dynamic=dynamic, w_scale=w_scale, bias=True, grad_gemm="fp32", forced="amx")
+    with backends.recording() as ran:
+        got = _step(M, K, N, python=False, **kw)
+    assert "IntLinearTrain" in got[0] and ran[("linear", "amx")] == 1 and ran[("linear_step", "cpp_step")] == 1
+    _assert_same(got, _step(M, K, N, python=True, **kw))
+
+
 @pytest.mark.parametrize("transform", ["strided", "expanded", "non_finite"])
 def test_cpp_op_takes_any_incoming_gradient(transform):
     """A strided or broadcast gradient (what a slice or a sum hands back), and NaN / inf in it (a row the

@@ -138,10 +138,13 @@ def test_no_backend_falls_back_inside_its_methods():
 
 def test_recording_counts_the_cpp_step_and_what_it_ran():
     _needs("cpp_step", "cpu_fused")
-    x, w, s_x, z_x = _step_args(M=256, K=1024, N=1024)
+    shape = (256, 1024, 1024)
+    if backends.select("linear", shape=shape, record=False, at_run_time=True).name == "amx":
+        shape = (48, 512, 512)  # (AMX CPUs: a large layer's forward is the AMX kernel's, which the C++ op does not call)
+    x, w, s_x, z_x = _step_args(*shape)
     with backends.recording() as ran:
         int_linear(x, w, None, s_x, z_x, None).sum().backward()
     assert ran[("linear_step", "cpp_step")] == 1
-    linear = backends.select("linear", shape=(256, 1024, 1024), record=False, at_run_time=True).name
+    linear = backends.select("linear", shape=shape, record=False, at_run_time=True).name
     assert ran[("linear", linear)] == 1
-    assert (ran[("digit_matmul", "cpu_fused")] == 1) == digits_pay(256, 1024, 1024, grad="x")
+    assert (ran[("digit_matmul", "cpu_fused")] == 1) == digits_pay(*shape, grad="x")

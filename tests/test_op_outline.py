@@ -21,6 +21,11 @@ def test_the_schemas_are_the_hand_written_ones():
         "intqat::int_linear_grouped(Tensor x, Tensor weight, Tensor? bias, Tensor x_scale, Tensor x_zero_point, "
         "Tensor? w_scale, SymInt group_size, SymInt x_qmin, SymInt x_qmax, SymInt w_qmin, SymInt w_qmax, "
         "bool x_dynamic, bool w_clip_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+    assert str(torch.ops.intqat.int_conv2d.default._schema) == (
+        "intqat::int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor x_scale, Tensor x_zero_point, Tensor w_scale, "
+        "SymInt[] stride, SymInt[] padding, SymInt[] dilation, SymInt groups, SymInt x_qmin, SymInt x_qmax, "
+        "SymInt w_qmin, SymInt w_qmax, bool x_dynamic, bool w_clip_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor, Tensor)")
 
 
 class _ScaleSpec(NamedTuple):

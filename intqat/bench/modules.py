@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -54,6 +54,10 @@ class ModulesSettings:
     fused_optimizer: bool = True
     blocks: bool = True  # also the transformer-encoder and depthwise-separable blocks (intqat.bench.blocks)
     quick_blocks: bool = False
+    # which models (MODELS' names); empty: the default set (MLP, CNN, CNN channels_last, and with `blocks`
+    # the encoder and depthwise-separable blocks). `--models resnet,mbconv,convnext,encoder,llama` (issue 27)
+    models: tuple[str, ...] = ()
+    preset: str = "w8a8"  # the intqat preset of the model being built (set per model: the Llama block is 8da4w)
 
     @classmethod
     def quick(cls) -> "ModulesSettings":
@@ -80,6 +84,37 @@ def bench_models(s, g: torch.Generator, prefix: str = "",
         models.append((f"{cnn_title}, channels_last", lambda: make_cnn(s).to(memory_format=cl),
                        cnn_x.to(memory_format=cl)))
     return models
+
+
+# every model `--models` can name: the two bench models, the CNN in channels_last, and the blocks
+MODELS = ("mlp", "cnn", "cnn_cl", "encoder", "dwsep", "resnet", "mbconv", "convnext", "llama")
+DEFAULT_MODELS = ("mlp", "cnn", "cnn_cl", "encoder", "dwsep")
+
+
+def parse_models(text: str | None) -> tuple[str, ...]:
+    """'resnet,llama' -> ('resnet', 'llama'); 'all' -> MODELS; None / '' -> () (the default set). A clear error
+    naming the unknown names and the valid ones."""
+    if not text:
+        return ()
+    names = tuple(n.strip().lower().replace("-", "_") for n in text.split(",") if n.strip())
+    if names == ("all",):
+        return MODELS
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise ValueError(f"--models: unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)} or all")
+    return names
+
+
+def selected_models(s: ModulesSettings, g: torch.Generator) -> list[tuple[str, Any, torch.Tensor, str]]:
+    """(title, factory, batch, preset) for the models `s` selects, in MODELS' order within each kind. The
+    default set draws its batches from g in the order it always did (same batches as earlier runs)."""
+    from intqat.bench.blocks import block_models
+
+    names = s.models or (DEFAULT_MODELS if s.blocks else DEFAULT_MODELS[:3])
+    base = bench_models(s, g, channels_last_cnn=True)  # (drawn first, always: the blocks' batches stay put)
+    out = [(*m, "w8a8") for key, m in zip(("mlp", "cnn", "cnn_cl"), base) if key in names]
+    blocks = tuple(n for n in MODELS[3:] if n in names)
+    return out + block_models(s, g, quick=s.quick_blocks, names=blocks)
 
 
 def make_mlp(s: ModulesSettings) -> nn.Sequential:
@@ -116,19 +151,39 @@ def _fp32(m, x, s):
 
 
 def _intqat_fq(m, x, s):
-    intqat.prepare_qat(m, "w8a8")
+    intqat.prepare_qat(m, s.preset)
     return m, lambda t, xx: _export(intqat.to_deployed(intqat.to_integer(copy.deepcopy(t))), xx)
 
 
 def _intqat_int(m, x, s):
-    intqat.prepare_qat(m, "w8a8")
+    intqat.prepare_qat(m, s.preset)
     intqat.calibrate(m, [x] * s.calib_batches)
     intqat.to_integer(m)
     return m, lambda t, xx: _export(intqat.to_deployed(t), xx)
 
 
 def _torchao_qat(m, x, s):
+    if s.preset == "8da4w":
+        return _torchao_qat_8da4w(m), lambda t, xx: _torchao_8da4w_deploy(t)
     return peers.torchao_qat(m), lambda t, xx: peers.torchao_qat_deploy(t)
+
+
+def _torchao_qat_8da4w(m):
+    """torchao's 8da4w QAT as its docs set it up: int8 per-token (asymmetric: 0.18 has no symmetric per-token fake
+    quant) activations, int4 symmetric weights in groups of 32 (intqat's 8da4w preset's group size)."""
+    tq, qat = peers._torchao()
+    act = qat.IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
+    wgt = qat.IntxFakeQuantizeConfig(torch.int4, group_size=32, is_symmetric=True)
+    tq.quantize_(m, qat.QATConfig(activation_config=act, weight_config=wgt, step="prepare"))
+    return m
+
+
+def _torchao_8da4w_deploy(m):
+    tq, qat = peers._torchao()
+    d = copy.deepcopy(m).eval()
+    tq.quantize_(d, qat.QATConfig(step="convert"))
+    tq.quantize_(d, tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=tq.PerGroup(32)))
+    return d
 
 
 def _torchao_mp(m, x, s):
@@ -260,11 +315,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         ],
         columns=cols,
     )
-    models = bench_models(s, g, channels_last_cnn=True)
-    if s.blocks:
-        from intqat.bench.blocks import block_models
-
-        models += block_models(s, g, quick=s.quick_blocks)
+    models = selected_models(s, g)
     na_marks: dict[str, str] = {}
 
     def mark(reason: str) -> str:
@@ -274,16 +325,16 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
 
     summary: list[str] = []
     backends_ran: list[str] = []
-    for title, make, x in models:
+    for title, make, x, preset in models:
         y = torch.randint(0, s.classes, (x.shape[0],), generator=g)
-        runs, missing, timings = _bench_model(make, x, y, s)
+        runs, missing, timings = _bench_model(make, x, y, replace(s, preset=preset))
         t.group(title)
         by = {r.name: r for r in runs}
         fp = by.get(FP32)
         for name in FLAVOURS:
             if name in missing:
-                t.add([f"{name} {mark(missing[name])}"] + [NA] * (len(cols) - 1),
-                      {"model": title, "name": name, "unavailable": missing[name]})
+                t.add([f"{name.replace('w8a8', preset)} {mark(missing[name])}"] + [NA] * (len(cols) - 1),
+                      {"model": title, "name": name, "preset": preset, "unavailable": missing[name]})
                 continue
             r, tm = by[name], timings[name]
             res = r.results
@@ -298,9 +349,9 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
                 d_cell = "0" if mm[2] else f"{mm[0]:.2e}"
                 rel_cell = "0" if mm[2] else (NA if mm[1] is None else f"{mm[1]:.1e}")
             t.add(
-                [name, fmt_num(tm.median * 1e3), fmt_ratio(speed), fmt_bytes(res["peak"]), fmt_ratio(peak_ratio),
+                [name.replace("w8a8", preset), fmt_num(tm.median * 1e3), fmt_ratio(speed), fmt_bytes(res["peak"]), fmt_ratio(peak_ratio),
                  fmt_bytes(res["saved"]), d_cell, rel_cell],
-                {"model": title, "name": name, "median_s": tm.median, "times_s": tm.times, "speed_vs_fp32": speed,
+                {"model": title, "name": name, "preset": preset, "median_s": tm.median, "times_s": tm.times, "speed_vs_fp32": speed,
                  "peak_bytes": res["peak"], "state_bytes": res["state"], "transient_bytes": res["transient"],
                  "peak_vs_fp32": peak_ratio, "saved_bytes": res["saved"],
                  "mismatch_max_abs": None if mm is None else mm[0], "mismatch_rel": None if mm is None else mm[1],
@@ -328,7 +379,8 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
         "torch.ao.quantization.convert on the x86 engine (observers disabled first). torch.ao's x86 qconfig "
         "fake-quantizes activations to codes [0, 127] (reduce_range) but its converted kernels output [0, 255]: "
         "activations beyond the moving-average range clip in training and not in deployment.",
-        f"intqat integer: prepare_qat('w8a8'), calibrate on {s.calib_batches} batch(es), to_integer; activation "
+        f"intqat integer: prepare_qat('w8a8') (the Llama block: '8da4w', and torchao QAT with int4 weights in groups "
+        f"of 32), calibrate on {s.calib_batches} batch(es), to_integer; activation "
         "observers stay on while training (moving average), convs fold BN with running statistics. torchao "
         "(QAT and int8 mixed-precision) only swaps nn.Linear: in the CNN its convs run in fp32 and only the head "
         "is quantized. torchao QAT activations are per-token asymmetric (0.18 has no symmetric per-token fake quant).",

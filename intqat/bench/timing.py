@@ -161,8 +161,9 @@ def machine_lines(info: dict | None = None) -> list[str]:
     return lines
 
 
-_GEMM_PRIMITIVES = ("int_mm", "linear", "linear_grouped", "digit_matmul", "ste_grad_input", "ste_grad_weight")
-_STEP_PRIMITIVES = ("linear_step", "conv_step")  # a whole layer step: the C++ op (cpp_step) or the Python path
+_GEMM_PRIMITIVES = ("int_mm", "linear", "linear_grouped", "digit_matmul", "ste_grad_input", "ste_grad_weight",
+                    "conv_int8")
+_STEP_PRIMITIVES = ("linear_step", "conv_step", "grouped_step")  # a whole layer step: the C++ op (cpp_step) or the Python path
 
 
 def backends_used(run: Callable[[], object]) -> str:

@@ -9,7 +9,9 @@
     intqat-bench deploy              int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte: latency at batch 1 and 32,
                                      size, agreement (digits MLP, a BERT-tiny-like encoder; needs intqat[deploy])
     intqat-bench compile             torch.compile vs eager train step of the integer MLP and CNN
+    intqat-bench modules --models resnet,mbconv,convnext,encoder,llama   the real-model blocks (issue 27; 'all': every model)
     intqat-bench profile             torch.profiler top ops of int_linear forward+backward
+    intqat-bench profile --models resnet,llama   where a block's train step spends its time, fp32 vs integer, per op class
     intqat-bench kernels --arch sm_80,sm_90   the Triton kernels compiled for NVIDIA GPUs, no GPU needed
                                      (registers, spills, shared memory, tensor cores; exit 1 on a failure)
     intqat-bench gpu                 Triton kernels vs cuBLASLt / bf16 / torchao on a CUDA device
@@ -49,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("modules", "all"):
             sp.add_argument("--loop-optimizer", action="store_true",
                             help="time Adam's default per-parameter loop instead of the recipes' fused Adam")
+        if name in ("modules", "all", "profile"):
+            sp.add_argument("--models", default=None,
+                            help="comma-separated: mlp, cnn, cnn_cl, encoder, dwsep, resnet, mbconv, convnext, llama, "
+                                 "or all (modules' default: mlp, cnn, cnn_cl, encoder, dwsep; profile: int_linear "
+                                 "alone unless given)")
         if name in ("ops", "all", "profile"):
             sp.add_argument("-M", type=int, default=None, help="rows of x (tokens); default 256")
             sp.add_argument("-K", type=int, default=None, help="in features; default 1024")
@@ -76,10 +83,10 @@ def _ops_settings(args):
 
 
 def _modules_settings(args):
-    from intqat.bench.modules import ModulesSettings
+    from intqat.bench.modules import ModulesSettings, parse_models
 
     s = ModulesSettings.quick() if args.quick else ModulesSettings()
-    s = replace(s, fused_optimizer=not args.loop_optimizer)
+    s = replace(s, fused_optimizer=not args.loop_optimizer, models=parse_models(args.models))
     return replace(s, repeats=args.repeats) if args.repeats is not None else s
 
 
@@ -90,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats is not None and args.repeats < 1:
         print("intqat-bench: --repeats must be >= 1", file=sys.stderr)
         return 2
+    if getattr(args, "models", None):
+        from intqat.bench.modules import parse_models
+
+        try:
+            parse_models(args.models)
+        except ValueError as e:
+            print(f"intqat-bench: {e}", file=sys.stderr)
+            return 2
     from intqat.bench.timing import machine_info
 
     info = machine_info()  # once, before this run adds its own load
@@ -132,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(table.render(), end="\n\n", flush=True)
             out["deploy"] = table.to_dict()
-        if args.command == "profile":
+        if args.command == "profile" and args.models:
+            from intqat.bench.modules import parse_models
+            from intqat.bench.profile import profile_blocks
+
+            text, rows = profile_blocks(parse_models(args.models), steps=args.repeats or (3 if args.quick else 10),
+                                        quick=args.quick)
+            print(text, flush=True)
+            out["profile"] = rows
+        elif args.command == "profile":
             from intqat.bench.profile import profile_int_linear
 
             s = _ops_settings(args)

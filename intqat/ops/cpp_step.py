@@ -1,6 +1,6 @@
-"""The eager CPU training step of integer layers in C++: `int_linear`'s and `int_conv2d`'s forward and
-backward as one autograd op each (kernels/cpu/train_linear.cpp, train_conv.cpp), and the static activation
-observer's update before them as one call (kernels/cpu/observe.cpp).
+"""The eager CPU training step of integer layers in C++: `int_linear`'s, `int_linear_grouped`'s and `int_conv2d`'s
+forward and backward as one autograd op each (kernels/cpu/train_linear.cpp, train_grouped.cpp, train_conv.cpp), and
+the static activation observer's update before them as one call (kernels/cpu/observe.cpp).
 
 Why: the Python path runs ~12 small steps per integer linear layer and call (backend choices, three C
 passes, an autograd.Function, a mask pack; in the backward a split, a GEMM and a combine twice): ~0.15 ms of
@@ -11,7 +11,7 @@ C library, linked by path) and the same aten calls in one call forward and one a
 same bits, ~5 us overhead.
 
 Which calls they take is the backend table's decision: they are the `cpp_step` backend
-(intqat/ops/backends/cpp_step.py, primitives `linear_step` and `conv_step`), which refuses, with the reason,
+(intqat/ops/backends/cpp_step.py, primitives `linear_step`, `grouped_step` and `conv_step`), which refuses, with the reason,
 what they cannot do (tracing, CUDA, LSQ, a NaN scale, a forward GEMM or pass the table puts on a backend
 whose kernels the ops do not call); `intqat.ops.explain("linear_step", ...)` prints it. This module only
 builds, loads and calls them. The observer op runs where the observer's own Python scalar path would, with
@@ -19,12 +19,11 @@ builds, loads and calls them. The observer op runs where the observer's own Pyth
 compare both ways); a build failure (no C++ compiler, no torch headers) warns once and keeps the Python paths.
 
 The library is compiled on first use (~25 s, `$CXX`, default `c++`) against torch's headers into the
-kernels' cache dir, keyed like the C library (`cpu_kernels.build_library`).
+kernels' cache dir, keyed like the C library (`cbuild.build_library`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import warnings
@@ -33,24 +32,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from intqat.ops import cpu_kernels
+from intqat.ops import cbuild, cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
-           "observe_minmax_", "LINEAR_GEMMS"]
+           "observe_minmax_", "LINEAR_GEMMS", "CONV_ONEDNN", "run_grouped"]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _reason: str | None = None  # why it is not available (None: it is, or not tried)
-_switch = cpu_kernels.OffSwitch()
+_switch = cbuild.OffSwitch()
 
 
 def _sources() -> list[Path]:
-    spec = importlib.util.find_spec("intqat.kernels")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package intqat.kernels not found")
-    root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
-    return [root / "train_linear.cpp", root / "train_conv.cpp", root / "observe.cpp"]
+    return cbuild.kernel_sources(("train_linear.cpp", "train_conv.cpp", "train_grouped.cpp", "observe.cpp"))
 
 
 def _build_and_load() -> None:
@@ -63,7 +58,7 @@ def _build_and_load() -> None:
              *(f"-I{p}" for p in cpp_extension.include_paths())]
     # the fused C library by its path: the loader finds the copy intqat.ops.cpu_kernels already loaded
     link = [cpu_kernels.library_path(), f"-L{torch_lib}", "-ltorch_cpu", "-lc10"]
-    path = cpu_kernels.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
+    path = cbuild.build_library(_sources(), compiler=os.environ.get("CXX", "c++"), flag_sets=[flags],
                                      prefix="train_step", link=link,
                                      announce="intqat: compiling the C++ training ops against this torch (once per "
                                               "machine and torch version, ~25 s)")
@@ -113,9 +108,13 @@ def disabled_depth() -> int:
 
 
 # The forward GEMMs the ops can run, by the backend whose kernel it is -> the ops' `gemm` argument
-LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1}  # torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd
+# torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd, AMX tiles (the linear op only: the table never runs a conv's
+# int_mm on amx, which does not implement int_mm)
+LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1, "amx": 2}
+CONV_ONEDNN = 2  # the conv op's `gemm` for oneDNN's int8 conv (backend onednn_conv), no im2col
 _linear_op = None
 _conv_op = None
+_grouped_op = None
 _observe_op = None
 
 
@@ -134,13 +133,25 @@ def run_linear(gemm: int, digits_x: bool, digits_w: bool, x2d: Tensor, weight: T
 def run_conv(gemm: int, x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
              stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
              w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
-    """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code (grouped
-    convs run an exact fp32 conv of the codes and ignore it)."""
+    """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code or CONV_ONEDNN
+    (grouped convs run an exact fp32 conv of the codes and ignore it)."""
     global _conv_op
     if _conv_op is None:
         _conv_op = torch.ops.intqat_train.int_conv2d.default
     return _conv_op(x, weight, bias, w_scale, x_scale, z_x, stride, padding, dilation, groups, x_qmin, x_qmax,
                     w_qmin, w_qmax, w_clip_mask, gemm)
+
+
+def run_grouped(digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None,
+                x_scale: float, z_x: int, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
+                x_dynamic: bool, w_clip_mask: bool) -> Tensor:
+    """y (M, N) through intqat_train::int_linear_grouped (kernels/cpu/train_grouped.cpp); x2d (M, K) fp32 row-major.
+    digits_w: grad_w as a digit GEMM (digit_gemm.py)."""
+    global _grouped_op
+    if _grouped_op is None:
+        _grouped_op = torch.ops.intqat_train.int_linear_grouped.default
+    return _grouped_op(x2d, weight, bias, w_scale, x_scale, z_x, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+                       w_clip_mask, digits_w, SCALE_EPS)
 
 
 def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,

@@ -9,7 +9,9 @@ check every function both ways).
 
 The library is compiled on first use with the system C compiler (`$CC`, default `cc`; ~0.5 s)
 into a cache directory (`$INTQAT_CACHE_DIR`, default `~/.cache/intqat`), keyed by a hash of the
-source, the flags and the CPU, and written atomically (several processes may build at once).
+source, the flags and the CPU, and written atomically (several processes may build at once): the build
+and the cache are intqat.ops.cbuild's; this module loads the library (ctypes), says what it can do, and
+wraps its functions for tensors.
 Without a compiler, or with `INTQAT_CPU_KERNELS=0`, every caller keeps its torch path: slower,
 same numbers.
 
@@ -20,16 +22,9 @@ reference (torch) path runs, which the compiler can see.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
-import importlib.util
 import math
 import os
-import platform
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 from pathlib import Path
@@ -38,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from intqat.ops.cpu_features import cpu_info, emulating_no_int8_dot
+from intqat.ops.cbuild import OffSwitch, build_library, c_flag_sets, cache_dir, kernel_march, kernel_sources
 
 __all__ = [
     "available",
@@ -114,23 +109,6 @@ _lib: ctypes.CDLL | None = None
 _load_tried = False
 
 
-class OffSwitch:
-    """A nestable off switch: inside `with switch.off():` blocks (any depth) `switch.depth` > 0."""
-
-    __slots__ = ("depth",)
-
-    def __init__(self):
-        self.depth = 0
-
-    @contextlib.contextmanager
-    def off(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
-
 _switch = OffSwitch()
 
 
@@ -138,87 +116,14 @@ _SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_
 
 
 def _sources() -> list[Path]:
-    # kernels/ installs as intqat.kernels; find_spec locates it without importing it (and triton).
-    spec = importlib.util.find_spec("intqat.kernels")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package intqat.kernels not found")
-    root = Path(next(iter(spec.submodule_search_locations))) / "cpu"
-    return [root / name for name in _SOURCES]
-
-
-def _cpu_id() -> str:
-    # -march=native code is only valid on the CPU it was built for: key the cache on it.
-    model, flags = cpu_info()
-    return model + " " + " ".join(sorted(flags))
-
-
-def kernel_march() -> str:
-    """The -march the kernels are compiled for: $INTQAT_KERNEL_MARCH, else "native" (this CPU); under
-    INTQAT_EMULATE_NO_INT8_DOT=1 on x86 "x86-64-v3" (AVX2 + FMA, no AVX-512, no VNNI), so the emulation
-    also runs the elementwise passes as an AVX2-only CPU's build compiles them."""
-    march = os.environ.get("INTQAT_KERNEL_MARCH", "").strip()
-    if march:
-        return march
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    return "x86-64-v3" if (x86 and emulating_no_int8_dot()) else "native"
-
-
-def _flag_sets() -> list[list[str]]:
-    base = ["-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-    march = kernel_march()
-    tuned = [f"-march={march}"] + (
-        ["-mprefer-vector-width=512"] if march == "native" and platform.machine() in ("x86_64", "AMD64") else [])
-    return [base + tuned, base]  # the portable set if the tuned one does not compile
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("INTQAT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "intqat")
-    return Path(root)
+    return kernel_sources(_SOURCES)
 
 
 def _build(srcs: list[Path]) -> Path:
     """Compile the fused C sources into the cache (once per source / flags / CPU) and return the .so path."""
-    return build_library(srcs, compiler=os.environ.get("CC", "cc"), flag_sets=_flag_sets(), prefix="fused",
-                         link=["-lm"], announce=f"intqat: compiling the fused CPU kernels for this CPU into {_cache_dir()} "
+    return build_library(srcs, compiler=os.environ.get("CC", "cc"), flag_sets=c_flag_sets(), prefix="fused",
+                         link=["-lm"], announce=f"intqat: compiling the fused CPU kernels for this CPU into {cache_dir()} "
                                              "(once per machine, a few seconds)")
-
-
-def build_library(srcs: list[Path], *, compiler: str, flag_sets: list[list[str]], prefix: str,
-                  link: list[str] = (), announce: str | None = None) -> Path:
-    """Compile `srcs` into a shared library in the cache dir and return its path: the first flag set
-    that compiles. Keyed by a hash of the sources (and the headers beside them), flags, compiler, link
-    arguments, CPU and torch version, so each combination is built once; written atomically (several
-    processes may build at once: a reader sees no library or a whole one). `announce`: printed to stderr
-    when a build actually starts (a first step that pauses for seconds says why)."""
-    headers = sorted(srcs[0].parent.glob("*.h"))  # included by the sources: part of the cache key
-    code = b"\0".join(path.read_bytes() for path in [*srcs, *headers])
-    errors = []
-    for flags in flag_sets:
-        key = hashlib.sha256(b"\0".join([code, " ".join([*flags, *link]).encode(), compiler.encode(),
-                                         _cpu_id().encode(), torch.__version__.encode()])).hexdigest()[:16]
-        out = _cache_dir() / f"{prefix}-{key}.so"
-        if out.exists():
-            return out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if announce:
-            print(announce, file=sys.stderr, flush=True)
-            announce = None  # once, whichever flag set compiles
-        fd, tmp = tempfile.mkstemp(prefix=f".{prefix}-", suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            proc = subprocess.run([compiler, *flags, "-o", tmp, *map(str, srcs), *link], capture_output=True,
-                                  text=True)
-            if proc.returncode == 0:
-                os.replace(tmp, out)  # atomic
-                return out
-            errors.append(f"{compiler} {' '.join(flags)}: {proc.stderr.strip()[-500:]}")
-        except OSError as e:  # no such compiler
-            errors.append(f"{compiler}: {e}")
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError("\n".join(errors))
 
 
 def _load() -> ctypes.CDLL | None:

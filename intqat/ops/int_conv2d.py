@@ -10,6 +10,12 @@ Forward, x (B, C, H, W), W (O, C/g, kh, kw):
     y    = float32(acc) * (s_x * s_w[o]) + b[o]
 Backward (STE): aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w),
 then the clip masks, and LSQ gradients for learned scales, as in int_linear.
+
+`intqat::int_conv2d` is one torch.library custom op; eager calls go through `_IntConv2dEager`, the same forward and
+backward without the dispatch: both built from the formulas below by `op_outline.IntegerOp` (CONV), the scalar
+options as one ConvSpec. Which path a call takes is the backend table's decision (`conv_step`: the C++ op, backend
+cpp_step, or this Python path, the reference's); the forward's integer GEMM is oneDNN's int8 conv where the table
+runs `conv_int8` on onednn_conv, else im2col + int_mm.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from intqat.ops.backends.reference import Reference
 from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
+from intqat.ops.op_outline import IntegerOp
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
-__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size"]
+__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size", "conv_geometry"]
 
 
 def conv_output_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
@@ -77,7 +84,17 @@ def conv_codes_forward(
     if groups > 1:
         return _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups)
     B = q_x.shape[0]
-    O, _, kh, kw = q_w.shape
+    O, C, kh, kw = q_w.shape
+    Ho = conv_output_size(q_x.shape[2], kh, stride[0], padding[0], dilation[0])
+    Wo = conv_output_size(q_x.shape[3], kw, stride[1], padding[1], dilation[1])
+    # oneDNN's int8 conv where the table takes it (backend onednn_conv: regular convs of few channels): the same
+    # exact accumulator without im2col, laid out channels_last, then the same epilogue steps
+    b = backends.select("conv_int8", q_x, q_w, shape=(B * Ho * Wo, C * kh * kw, O),
+                        spec=conv_geometry(kh, kw, stride, padding, dilation, groups))
+    if b is not None:
+        acc = b.conv_int8(q_x, int(z_x) if pad_value is None else pad_value, q_w, stride, padding, dilation, groups)
+        y = _scaled_(acc, s_x, w_scale, bias)
+        return y if is_channels_last(q_x) else y.contiguous()
     cols, Ho, Wo = _im2col(q_x, z_x if pad_value is None else pad_value, (kh, kw), stride, padding, dilation, groups)
     acc = int_mm(cols, _weight_columns(q_w).t())  # (B*Ho*Wo, O) int32
     y = integer_epilogue(acc, z_x, w_colsum, s_x, w_scale, bias)
@@ -120,17 +137,28 @@ def _grouped_acc(xz: Tensor, w: Tensor, stride, padding, dilation, groups: int) 
     return acc.to(torch.float32).contiguous(memory_format=fmt)
 
 
+def conv_geometry(kh: int, kw: int, stride, padding, dilation, groups: int) -> tuple:
+    """The conv's geometry as the `conv_int8` primitive's spec (hashable): (kh, kw, stride, padding, dilation, groups)."""
+    return kh, kw, tuple(stride), tuple(padding), tuple(dilation), groups
+
+
+def _scaled_(acc: Tensor, s_x: Tensor, w_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """y = acc * (s_x * s_w[o]) + b[o], in place on acc (B, O, Ho, Wo) fp32 holding exact integers: the epilogue's
+    float steps in its order (integer_epilogue: float32(acc) * (s_x s_w[n]) + b[n]), so the same bits."""
+    O = acc.shape[1]
+    scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
+    y = acc.mul_(scale)
+    return y.add_(bias.to(torch.float32).reshape(1, O, 1, 1)) if bias is not None else y
+
+
 def _grouped_forward(q_x, z_x, s_x, q_w, w_scale, bias, stride, padding, dilation, groups) -> Tensor:
     """Grouped / depthwise integer conv as one computation: y = float32(acc) * (s_x * s_w[o]) + b[o], the
     epilogue of integer_epilogue in the same float steps (so the same bits as a per-group int_mm would give),
     laid out (B, O, Ho, Wo) in the input's memory format by the convolution itself: no transposing copy."""
-    O = q_w.shape[0]
     # (q_x - z_x) * 1.0 in one fused pass on the CPU: exact integers within [-255, 255]
     xz = dequantize(q_x, torch.ones((), dtype=torch.float32, device=q_x.device), z_x.reshape(()))
     acc = _grouped_acc(xz, q_w.to(torch.float32), stride, padding, dilation, groups)  # fresh: updated in place
-    scale = (s_x.reshape(1, 1) * w_scale.reshape(1, -1)).reshape(1, O, 1, 1)
-    y = acc.mul_(scale)
-    return y.add_(bias.reshape(1, O, 1, 1)) if bias is not None else y
+    return _scaled_(acc, s_x, w_scale, bias)
 
 
 def is_channels_last(t: Tensor) -> bool:
@@ -165,70 +193,75 @@ def _quantize_input(x, x_scale, x_zero_point, qmin, qmax, dynamic, need_mask):
     return quantize(x, s.reshape(()), z.reshape(()), qmin, qmax), None, s, z
 
 
-def _int_conv2d_forward(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
-                        x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask):
-    """-> (y fp32, q_x int8, mask_x, q_w int8, mask_w, s_x (1, 1), z_x int32 (1,)); empty masks when unused.
-    What the custom op runs (and the eager path, `_IntConv2dEager`)."""
-    q_x, mask_x, s_x, z_x = _quantize_input(x, x_scale, x_zero_point, x_qmin, x_qmax, x_dynamic, not x_dynamic)
+class ConvSpec(NamedTuple):
+    """int_conv2d's scalar options, as one value; the op schema's plain arguments, in this order (op_outline)."""
+
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    groups: int
+    x_qmin: int
+    x_qmax: int
+    w_qmin: int
+    w_qmax: int
+    x_dynamic: bool
+    w_clip_mask: bool
+
+
+def _forward(x, weight, bias, x_scale, x_zero_point, w_scale, spec: ConvSpec):
+    """-> (y fp32, q_x int8, mask_x, q_w int8, mask_w, s_x (1, 1), z_x int32 (1,)); empty masks when unused."""
+    q_x, mask_x, s_x, z_x = _quantize_input(x, x_scale, x_zero_point, spec.x_qmin, spec.x_qmax, spec.x_dynamic,
+                                            not spec.x_dynamic)
     w2 = weight.detach().reshape(weight.shape[0], -1)
     ws = w_scale.detach().reshape(-1)
     # codes, clip mask and colsum in one pass on the CPU
-    q_w, mask_w, colsum, _ = quantize_weight(w2, ws, w_qmin, w_qmax, need_mask=w_clip_mask, need_colsum=not x_dynamic)
+    q_w, mask_w, colsum, _ = quantize_weight(w2, ws, spec.w_qmin, spec.w_qmax, need_mask=spec.w_clip_mask,
+                                             need_colsum=not spec.x_dynamic)
     q_w = q_w.reshape(weight.shape)
-    if x_dynamic:
+    if spec.x_dynamic:
         colsum = torch.zeros(1, dtype=torch.int32, device=x.device)
     y = conv_codes_forward(q_x, z_x, s_x, q_w, colsum, ws, None if bias is None else bias.detach(),
-                           stride, padding, dilation, groups, pad_value=int(z_x))
+                           spec.stride, spec.padding, spec.dilation, spec.groups, pad_value=int(z_x))
     empty = lambda: torch.empty(0, dtype=torch.bool, device=x.device)  # noqa: E731 (outputs may not alias)
     return (_not_a_view(y), q_x, mask_x if mask_x is not None else empty(), q_w,
             mask_w.reshape(weight.shape) if mask_w is not None else empty(), s_x, z_x)
 
 
-@torch.library.custom_op("intqat::int_conv2d", mutates_args=())
-def _int_conv2d_op(
-    x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor, x_zero_point: Tensor, w_scale: Tensor,
-    stride: list[int], padding: list[int], dilation: list[int], groups: int,
-    x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int, x_dynamic: bool, w_clip_mask: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The op torch.compile / torch.export / opcheck see; outputs as `_int_conv2d_forward`."""
-    return _int_conv2d_forward(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
-                               x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
-
-
-@_int_conv2d_op.register_fake
-def _(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
-      x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask):
+def _fake(x, weight, bias, x_scale, x_zero_point, w_scale, spec: ConvSpec):
     B, _, H, W = x.shape
     O, _, kh, kw = weight.shape
+    stride, padding, dilation = spec.stride, spec.padding, spec.dilation
     Ho = conv_output_size(H, kh, stride[0], padding[0], dilation[0])
     Wo = conv_output_size(W, kw, stride[1], padding[1], dilation[1])
     return (
         torch.empty((B, O, Ho, Wo), dtype=torch.float32, device=x.device,
                     memory_format=torch.channels_last if is_channels_last(x) else torch.contiguous_format),
         torch.empty_like(x, dtype=torch.int8),  # codes and mask keep x's layout, as quantize does
-        torch.empty_like(x, dtype=torch.bool) if not x_dynamic else x.new_empty((0,), dtype=torch.bool),
+        torch.empty_like(x, dtype=torch.bool) if not spec.x_dynamic else x.new_empty((0,), dtype=torch.bool),
         x.new_empty(weight.shape, dtype=torch.int8),
-        x.new_empty(weight.shape if w_clip_mask else (0,), dtype=torch.bool),
+        x.new_empty(weight.shape if spec.w_clip_mask else (0,), dtype=torch.bool),
         x.new_empty((1, 1)),
         x.new_empty((1,), dtype=torch.int32),
     )
 
 
-def _setup_context(ctx, inputs, output):
-    (x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, groups,
-     x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, _) = inputs
+def _save(ctx, tensors, spec: ConvSpec, output):
+    x, weight, bias, x_scale, x_zero_point, w_scale = tensors
     _, q_x, mask_x, q_w, mask_w, s_x, z_x = output
-    x_lsq = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
+    x_lsq = not spec.x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad)
     w_lsq = w_scale.requires_grad
     ctx.save_for_backward(q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale,
                           x if x_lsq else None, weight if w_lsq else None)
-    ctx.conv = (stride, padding, dilation, groups)
-    ctx.ranges = (x_qmin, x_qmax, w_qmin, w_qmax)
+    ctx.conv = (spec.stride, spec.padding, spec.dilation, spec.groups)
+    ctx.ranges = (spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax)
     ctx.x_lsq, ctx.has_bias = x_lsq, bias is not None
     ctx.shapes = (x_scale.shape, x_zero_point.shape, w_scale.shape)
 
 
 def _backward(ctx, g, *_unused):
+    """-> the gradients of (x, weight, bias, x_scale, x_zero_point, w_scale)."""
+    if g is None:  # eager path with unmaterialised grads: y did not reach the loss
+        return (None,) * 6
     q_x, mask_x, q_w, mask_w, s_x, z_x, w_scale, x, weight = ctx.saved_tensors
     stride, padding, dilation, groups = ctx.conv
     x_qmin, x_qmax, w_qmin, w_qmax = ctx.ranges
@@ -261,30 +294,15 @@ def _backward(ctx, g, *_unused):
         ds = lsq_scale_grad_elem(q_w, m, weight.detach().to(torch.float32), ws, torch.zeros((), dtype=torch.int32), w_qmin, w_qmax)
         gf = lsq_grad_factor(q_w[0].numel(), w_qmax)
         grad_sw = ((grad_what * ds).sum(dim=(1, 2, 3)) * gf).reshape(sw_shape)
-    return (grad_x, grad_w, grad_b if ctx.has_bias else None, grad_sx, grad_zx, grad_sw) + (None,) * 10
+    return grad_x, grad_w, grad_b if ctx.has_bias else None, grad_sx, grad_zx, grad_sw
 
 
-torch.library.register_autograd("intqat::int_conv2d", _backward, setup_context=_setup_context)
-
-
-class _IntConv2dEager(torch.autograd.Function):
-    """The eager path: the custom op's forward, context and backward without torch.library's Python
-    dispatch around them (~0.1-0.2 ms per conv and step: argument binding, default filling, the dynamo
-    guard of the op's implementation). Taken only outside tracing: tracers must see the op, one node."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        output = _int_conv2d_forward(*args)
-        _setup_context(ctx, args, output)
-        ctx.mark_non_differentiable(*output[1:])  # codes, masks, scales
-        ctx.set_materialize_grads(False)
-        return output
-
-    @staticmethod
-    def backward(ctx, g, *_unused):
-        if g is None:  # y did not reach the loss
-            return (None,) * 16
-        return _backward(ctx, g)
+# the custom op (torch.ops.intqat.int_conv2d: what torch.compile / torch.export / opcheck see) and the eager
+# autograd.Function (`_IntConv2dEager`: ~0.1-0.2 ms per conv and step less than torch.library's Python dispatch)
+CONV = IntegerOp("intqat::int_conv2d", tensors=("x", "weight", "bias?", "x_scale", "x_zero_point", "w_scale"),
+                 spec=ConvSpec, outputs=7, forward=_forward, fake=_fake, save=_save, backward=_backward,
+                 eager_name="_IntConv2dEager")
+_int_conv2d_op = CONV.op
 
 
 def _pair(v, name: str, least: int) -> list[int]:
@@ -355,15 +373,18 @@ def int_conv2d(
     learned = not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad) or w_scale.requires_grad
     s_x = z = None
     O, Cg, kh, kw = weight.shape
-    empty, K = False, 0
+    empty, K, gemm_shape, geometry = False, 0, None, None
     eager = backends.eager_cpu(tensors)
     if eager:  # the facts the C++ step needs (not read while tracing: no guards on them)
         empty, K = not (x.numel() and O), x.shape[1] * kh * kw
+        Ho = conv_output_size(x.shape[2], kh, stride[0], padding[0], dilation[0])
+        Wo = conv_output_size(x.shape[3], kw, stride[1], padding[1], dilation[1])
+        gemm_shape, geometry = (x.shape[0] * Ho * Wo, K, O), conv_geometry(kh, kw, stride, padding, dilation, groups)
         if not (x_dynamic or learned):  # what it takes as numbers
             s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
-                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K)
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry)
     b = backends.select("conv_step", *tensors, spec=spec, eager=eager)
     return b.conv_step(x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation,
                        spec, s_x, z)
@@ -372,7 +393,9 @@ def int_conv2d(
 class ConvStep(NamedTuple):
     """One int_conv2d call's scalar options and the facts the table decides the step from (as int_linear's
     LinearStep): empty: no input elements or no output channels; fits_one_fp32_conv: a group's C/g * kh * kw
-    terms fit _EXACT_FP32_TERMS; K: C * kh * kw."""
+    terms fit _EXACT_FP32_TERMS; K: C * kh * kw; gemm_shape: the conv as a GEMM (B Ho Wo, K, O) and geometry
+    (`conv_geometry`): what the table decides `conv_int8` (oneDNN's int8 conv) from. The facts are read on eager
+    CPU calls only (None / 0 otherwise)."""
 
     x_qmin: int
     x_qmax: int
@@ -387,15 +410,16 @@ class ConvStep(NamedTuple):
     empty: bool
     fits_one_fp32_conv: bool
     K: int
+    gemm_shape: tuple | None = None
+    geometry: tuple | None = None
 
 
 def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,
                  z_x) -> Tensor:
-    """The reference backend's `conv_step`: the custom op while a tracer watches, else `_IntConv2dEager`."""
-    args = (x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec.groups,
-            spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax, spec.x_dynamic, spec.w_clip_mask)
-    eager = not backends.tracing(x, weight, bias, x_scale, x_zero_point, w_scale)
-    return (_IntConv2dEager.apply if eager else _int_conv2d_op)(*args)[0]
+    """The reference backend's `conv_step`: the op's Python path (the custom op while a tracer watches)."""
+    op = ConvSpec(stride, padding, dilation, spec.groups, spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax,
+                  spec.x_dynamic, spec.w_clip_mask)
+    return CONV(x, weight, bias, x_scale, x_zero_point, w_scale, spec=op)[0]
 
 
 Reference.define("conv_step", _python_step)

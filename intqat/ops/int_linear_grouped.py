@@ -39,7 +39,8 @@ from torch import Tensor
 
 from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
-from intqat.ops.int_linear import quantize_activation, rounded_zero_point
+from intqat.ops.backends.reference import Reference
+from intqat.ops.int_linear import quantize_activation, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.lsq import activation_lsq_grads, weight_scale_grad
 from intqat.ops.op_outline import IntegerOp
 from intqat.ops.masks import pack_mask, unpack_mask
@@ -290,10 +291,28 @@ def _backward(ctx, g, *_unused):
     return grad_x, grad_w, grad_b, grad_sx, grad_zx, grad_sw
 
 
+class GroupedStep(NamedTuple):
+    """One int_linear_grouped call: its options (`op`) and the facts the backend table decides the step from (as
+    int_linear.LinearStep): w_scale_given; learned: an LSQ scale or zero point requires grad; x_scale_float32;
+    finite: the static activation scale and zero point are not NaN (read on eager CPU calls only)."""
+
+    op: GroupedSpec
+    w_scale_given: bool
+    learned: bool
+    x_scale_float32: bool
+    finite: bool
+
+
+def _python_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec: GroupedStep, s_x, z_x) -> Tensor:
+    """The reference backend's `grouped_step`: the op's Python path (the custom op while a tracer watches)."""
+    return GROUPED(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec=spec.op)[0]
+
+
 GROUPED = IntegerOp("intqat::int_linear_grouped",
                     tensors=("x", "weight", "bias?", "x_scale", "x_zero_point", "w_scale?"), spec=GroupedSpec,
                     outputs=8, forward=_forward, fake=_fake, save=_save, backward=_backward, eager_name="_GroupedEager")
 _op = GROUPED.op  # the custom op (torch.ops.intqat.int_linear_grouped)
+Reference.define("grouped_step", _python_step)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,5 +381,19 @@ def int_linear_grouped(
         x_zero_point = x_zero_point.to(torch.float32)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    spec = GroupedSpec(group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
-    return GROUPED(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec=spec)[0].reshape(*lead, weight.shape[0])
+    tensors = (x2d, weight, bias, x_scale, x_zero_point, w_scale)
+    learned = (w_scale is not None and w_scale.requires_grad) or (
+        not x_dynamic and (x_scale.requires_grad or x_zero_point.requires_grad))
+    s_x = z = None
+    eager = backends.eager_cpu(tensors)
+    if eager:
+        x2d = x2d.contiguous()  # (the C++ step takes row-major x; the Python path's passes make it so anyway)
+        if not (x_dynamic or learned):  # what the C++ step takes as numbers
+            s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
+    op = GroupedSpec(group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask)
+    spec = GroupedStep(op, w_scale is not None, learned, x_dynamic or x_scale.dtype == torch.float32,
+                       s_x is None or (s_x == s_x and z is not None))
+    b = backends.select("grouped_step", *tensors, shape=(x2d.shape[0], x2d.shape[1], weight.shape[0]), spec=spec,
+                        eager=eager)
+    y = b.grouped_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,6 +1,6 @@
 """An integer op, defined once from its formulas: the custom op, its fake, its autograd and the eager fast path.
 
-Every differentiable integer op (int_linear, int_linear_grouped) has the same outline: a torch.library custom op
+Every differentiable integer op (int_linear, int_linear_grouped, int_conv2d) has the same outline: a torch.library custom op
 (what torch.compile / torch.export / opcheck see: one node), a fake (shapes and dtypes for tracing), autograd
 (setup_context + backward), and an eager path that runs the same forward and backward through an
 autograd.Function without torch.library's Python dispatch around them (~0.1 ms a call). The op supplies only

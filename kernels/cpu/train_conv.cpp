@@ -16,9 +16,15 @@
  *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel
  *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels; int_mm on
  *                  torch._int_mm (int8-dot CPUs) or AVX2 vpmaddwd (gemm 1: CPUs without int8 dot products)
+ *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
+ *                  accumulator as fp32 (intqat/ops/conv_onednn.py: conv_acc, channel_chunks; the same calls)
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
- * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. */
+ * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. The clip
+ * masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in place on
+ * the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -35,6 +41,8 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
+void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
 // aborting stub without AVX2, which the Python side never asks for)
 void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b, int64_t N,
@@ -66,6 +74,25 @@ at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z,
     return out;
 }
 
+/* bool mask -> bits ((n + 7) / 8,) in the mask's memory order (intqat.ops.masks.pack_mask of a dense mask) */
+at::Tensor packed_bits(const at::Tensor &mask) {
+    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr(), mask.numel(), bits.data_ptr<uint8_t>());
+    return bits;
+}
+
+/* where(mask, grad, 0) with the mask as bits packed in the memory order of `like` (the codes): in place on grad (a
+ * fresh result of convolution_backward) when it has like's layout, else on a copy laid out as like. */
+at::Tensor masked_like(at::Tensor grad, const at::Tensor &bits, const at::Tensor &like) {
+    if (!bits.numel() || !grad.numel()) return grad;
+    if (!(grad.sizes() == like.sizes() && grad.strides() == like.strides() && dense(grad))) {
+        at::Tensor laid = at::empty_like(like, at::kFloat);
+        grad = laid.copy_(grad);
+    }
+    intqat_mask_zero_bits(grad.data_ptr<float>(), bits.data_ptr<uint8_t>(), grad.numel());
+    return grad;
+}
+
 /* A tensor over t's memory that is not a view (int_conv2d._not_a_view): in-place ops after the conv
  * (ReLU6(inplace=True)) must not see a view of the op's temporary. */
 at::Tensor not_a_view(const at::Tensor &t) {
@@ -90,6 +117,57 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     return c;
 }
 
+/* oneDNN's int8 conv of u8 codes (q + 128, zero point z + 128) with unit scales: fp32 (B, O, Ho, Wo) channels_last
+ * = float32(the int32 accumulator) (conv_onednn._one_conv: the same two torch ops, called through the dispatcher) */
+at::Tensor onednn_one(const at::Tensor &u8, int64_t zp, const at::Tensor &q_w, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation) {
+    static const c10::OperatorHandle prepack =
+        c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qconv_prepack", "");
+    static const c10::OperatorHandle qconv = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qconv_pointwise", "");
+    const int64_t O = q_w.size(0);
+    const at::Tensor ones = at::ones({O}, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor zeros = at::zeros({O}, at::TensorOptions().dtype(at::kLong));
+    torch::jit::Stack st{q_w, ones, 1.0, zp, stride.vec(), padding.vec(), dilation.vec(), (int64_t)1, u8.sizes().vec()};
+    prepack.callBoxed(&st);
+    const at::Tensor packed = st[0].toTensor();
+    torch::jit::Stack st2{u8, 1.0, zp, packed, ones, zeros, c10::IValue(), stride.vec(), padding.vec(), dilation.vec(),
+                          (int64_t)1, 1.0, (int64_t)0, at::kFloat, std::string("none"),
+                          c10::List<c10::optional<at::Scalar>>(), std::string("")};
+    qconv.callBoxed(&st2);
+    return st2[0].toTensor();
+}
+
+/* conv_onednn.conv_acc: the exact accumulator, the input channels cut where 255 * sum |q_w[o]| could pass 2^24
+ * (channel_chunks: greedy contiguous ranges; nearly every layer is one) */
+at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, at::IntArrayRef stride,
+                      at::IntArrayRef padding, at::IntArrayRef dilation) {
+    constexpr int64_t limit = (int64_t(1) << 24) / 255;  // conv_onednn.WEIGHT_ABS_LIMIT
+    const at::Tensor u8 = q_x.view(at::kByte).bitwise_xor(128);
+    const int64_t zp = (int64_t)z + 128;
+    const at::Tensor per = q_w.to(at::kInt).abs().sum({2, 3}).to(at::kLong).contiguous();  // (O, C)
+    const int64_t O = per.size(0), C = per.size(1);
+    if (C == 0 || per.sum(1).max().item<int64_t>() <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
+    const auto a = per.accessor<int64_t, 2>();
+    std::vector<int64_t> run(O, 0);
+    at::Tensor acc;
+    int64_t c0 = 0;
+    for (int64_t c = 0; c <= C; ++c) {
+        bool cut = c == C;
+        if (!cut && c > c0)
+            for (int64_t o = 0; o < O && !cut; ++o) cut = run[o] + a[o][c] > limit;
+        if (cut) {
+            at::Tensor part = onednn_one(u8.slice(1, c0, c), zp, q_w.slice(1, c0, c).contiguous(), stride, padding,
+                                         dilation).to(at::kInt);
+            acc = acc.defined() ? acc.add_(part) : part;
+            std::fill(run.begin(), run.end(), 0);
+            c0 = c;
+        }
+        if (c < C)
+            for (int64_t o = 0; o < O; ++o) run[o] += a[o][c];
+    }
+    return acc.to(at::kFloat);
+}
+
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
                          const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
                          at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
@@ -102,6 +180,13 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
         at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
         at::Tensor y = acc.mul_(scale);
         return bias.defined() ? y.add_(bias.reshape({1, O, 1, 1})) : y;
+    }
+    if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
+        at::Tensor acc = onednn_acc(q_x, z, q_w, stride, padding, dilation);
+        at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
+        at::Tensor y = acc.mul_(scale);
+        if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
+        return channels_last(q_x) ? y : y.contiguous();
     }
     // int_conv2d._im2col: (B, C, H, W) codes -> (B*Ho*Wo, C*kh*kw), columns (i, j, c), c fastest
     const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0],
@@ -160,7 +245,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
-        ctx->save_for_backward({q_x, mask_x, q_w, mask_w, s_x, s_w});
+        ctx->save_for_backward({q_x, packed_bits(mask_x), q_w, packed_bits(mask_w), s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
         ctx->saved_data["stride"] = stride;
         ctx->saved_data["padding"] = padding;
@@ -176,7 +261,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         if (!g.defined()) return out;
         g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
         auto saved = ctx->get_saved_variables();
-        const at::Tensor &q_x = saved[0], &mask_x = saved[1], &q_w = saved[2], &mask_w = saved[3], &s_x = saved[4],
+        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
                          &s_w = saved[5];
         const bool has_bias = ctx->saved_data["has_bias"].toBool();
         // (edges: x, weight, then bias only when given)
@@ -191,8 +276,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                                                                    : c10::nullopt,
                                           stride, padding, dilation, false, {0, 0}, ctx->saved_data["groups"].toInt(),
                                           {need_x, need_w, need_b});
-        if (need_x) out[0] = mask_x.numel() ? at::where(mask_x, std::get<0>(r), 0.0) : std::get<0>(r);
-        if (need_w) out[1] = mask_w.numel() ? at::where(mask_w, std::get<1>(r), 0.0) : std::get<1>(r);
+        if (need_x) out[0] = masked_like(std::get<0>(r), bits_x, q_x);
+        if (need_w) out[1] = masked_like(std::get<1>(r), bits_w, q_w);
         if (need_b) out[2] = std::get<2>(r);
         return out;
     }

@@ -12,8 +12,8 @@
  * (torch._int_mm, mm) on the same layouts. tests/test_cpp_step.py compares outputs and gradients bit
  * for bit.
  *
- * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM) or avx2_int16
- * (INT16) and everything else on cpu_fused (intqat/ops/cpp_step.py decides per shape): plain CPU
+ * Taken only where the backend table would run the forward GEMM on cpu_fused (gemm INT_MM), avx2_int16
+ * (INT16) or amx (AMX: the AMX forward kernel with its epilogue) and everything else on cpu_fused (intqat/ops/cpp_step.py decides per shape): plain CPU
  * tensors, nothing tracing, no learned (LSQ) scales.
  *
  * Forward, x (M, K) fp32 contiguous, W (N, K) (any strides):
@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "digit_matmul.h"  // intqat::digit_matmul, intqat::dequantized (the backward GEMMs' operands)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
@@ -43,25 +44,31 @@ void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
-void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
-                            float z, float *out);
-void intqat_split_digits(const float *a, int64_t R, int64_t C, int64_t rs, int64_t cs, const float *col_scale,
-                         int64_t ss, int8_t *digits, int64_t ld, int64_t plane, int32_t *shift, int32_t *rowsum);
-void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32_t *shift, const int32_t *rowsum,
-                           int32_t z, const uint8_t *mask, float *out);
 // int16_gemm.c (the avx2_int16 backend's linear; in every build, an aborting stub without AVX2, which the
 // Python side never asks for: cpu_kernels.int16_gemm_available())
 void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N, int32_t z_x,
                          const int32_t *colsum, const float *s_x, int64_t sx_stride, const float *s_w,
                          const float *bias, int16_t *ap, int16_t *bp, float *y);
+// amx_linear.c (the amx backend's linear; taken only where cpu_kernels.amx_available(): the process holds the AMX
+// state, asked by the library itself)
+void intqat_amx_pack_bt(const int8_t *q, int64_t N, int64_t K, int64_t qs, int64_t Kp, int64_t Np, int8_t *bpack);
+void intqat_amx_linear(const int8_t *qx, const int8_t *qx_tail, int64_t M, int64_t lda, const int8_t *bpack,
+                       int64_t Kp, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x, int64_t sx_stride,
+                       const float *s_w, const float *bias, float *y);
 }
 
-enum Gemm : int64_t { INT_MM = 0 /* torch._int_mm: cpu_fused */, INT16 = 1 /* AVX2 vpmaddwd: avx2_int16 */ };
+enum Gemm : int64_t {
+    INT_MM = 0 /* torch._int_mm: cpu_fused */,
+    INT16 = 1 /* AVX2 vpmaddwd: avx2_int16 */,
+    AMX = 2 /* AMX tiles with the epilogue in the tile loop: amx (amx_linear.c) */
+};
 
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+using intqat::dequantized;
+using intqat::digit_matmul;
 using intqat::scratch;
 
 template <typename T>
@@ -78,36 +85,6 @@ at::Tensor packed(const at::Tensor &mask) {
 
 void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
     if (bits.numel() && g.numel()) intqat_mask_zero_bits(ptr<float>(g), ptr<uint8_t>(bits), g.numel());
-}
-
-/* The backward GEMM a (R, C) fp32 (any strides) @ q (C, K) int8 -> (R, K) fp32 on the int8 units:
- * cpu_fused.digit_matmul (digits stacked into one torch._int_mm call). z: q's zero point. */
-at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z) {
-    const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
-    at::Tensor digits = scratch("digits", {3, R, C}, at::kChar);
-    at::Tensor shift = at::empty({R}, at::TensorOptions().dtype(at::kInt));
-    at::Tensor rowsum = z ? at::empty({3, R}, at::TensorOptions().dtype(at::kInt)) : at::Tensor();
-    at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
-    if (R == 0) return out;
-    intqat_split_digits(ptr<float>(a), R, C, a.stride(0), a.stride(1), ptr<float>(col_scale),
-                        col_scale.numel() > 1 ? 1 : 0, ptr<int8_t>(digits), C, R * C, ptr<int32_t>(shift),
-                        ptr<int32_t>(rowsum));
-    at::Tensor acc = scratch("digit_acc", {3 * R, K}, at::kInt);
-    at::_int_mm_out(acc, digits.view({3 * R, C}), intqat::int_mm_operand(q));
-    if (out.numel()) intqat_combine_digits(ptr<int32_t>(acc), R, K, ptr<int32_t>(shift), ptr<int32_t>(rowsum), z,
-                                           nullptr, ptr<float>(out));
-    return out;
-}
-
-/* (q - z) * scale per row (per_row) or one scale, into this thread's scratch for `role`: an operand that
- * dies in the next mm (cpu_kernels.dequantize_rows). */
-at::Tensor dequantized(const char *role, const at::Tensor &q, const at::Tensor &scale, int32_t z, bool per_row) {
-    at::Tensor out = scratch(role, q.sizes(), at::kFloat);
-    const int64_t rows = per_row ? q.size(0) : 1;
-    if (q.numel())
-        intqat_dequantize_rows(ptr<int8_t>(q), rows, q.numel() / rows, ptr<float>(scale), per_row ? 1 : 0,
-                               (float)z, ptr<float>(out));
-    return out;
 }
 
 }  // namespace
@@ -172,6 +149,22 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
                 intqat_int16_linear(ptr<int8_t>(q_x), M, K, ptr<int8_t>(q_w), N, z, cs, ptr<float>(s_x),
                                     s_x.numel() > 1 ? 1 : 0, ptr<float>(s_w), ptr<float>(b), ptr<int16_t>(ap),
                                     ptr<int16_t>(bp), ptr<float>(y));
+            } else if (gemm == AMX) {  // cpu_kernels.amx_linear: the same pads, pack and call
+                constexpr int64_t rows = 32, cols = 32, depth = 64;  // cpu_kernels.AMX_ROWS, AMX_COLS, AMX_DEPTH
+                const int64_t Kp = (K + depth - 1) / depth * depth, Np = (N + cols - 1) / cols * cols;
+                at::Tensor a = q_x, tail;
+                if (Kp != K) {  // tile rows are Kp bytes: a padded copy (its pad meets zero rows of B)
+                    a = scratch("amx_a", {(M + rows - 1) / rows * rows, Kp}, at::kChar);
+                    a.narrow(0, 0, M).narrow(1, 0, K).copy_(q_x);
+                } else if (M % rows) {  // the last, partial row block from a 32-row copy, not past q_x's end
+                    tail = scratch("amx_a_tail", {rows, Kp}, at::kChar);
+                    tail.narrow(0, 0, M % rows).copy_(q_x.narrow(0, M - M % rows, M % rows));
+                }
+                at::Tensor bpack = scratch("amx_bt", {Np * Kp}, at::kChar);
+                intqat_amx_pack_bt(ptr<int8_t>(q_w), N, K, q_w.stride(0), Kp, Np, ptr<int8_t>(bpack));
+                intqat_amx_linear(ptr<int8_t>(a), tail.defined() ? ptr<int8_t>(tail) : nullptr, M, a.stride(0),
+                                  ptr<int8_t>(bpack), Kp, N, z, cs, ptr<float>(s_x), s_x.numel() > 1 ? 1 : 0,
+                                  ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
             } else {  // torch._int_mm, then the epilogue (the accumulator dies here: scratch)
                 at::Tensor acc = scratch("acc", {M, N}, at::kInt);
                 at::_int_mm_out(acc, q_x, intqat::int_mm_operand(q_w.t()));  // (K = 1: a copy)

@@ -4,6 +4,8 @@
     triton                   CUDA tensors (or forced: the interpreter)    int_mm, linear, linear_grouped, STE backward GEMMs
     cpp_step                 the C++ training ops (built on first use)    linear_step, conv_step: a whole training step in
                                                                           one C++ autograd op (cpu_fused / avx2_int16 kernels)
+    onednn_conv              oneDNN's int8 conv, int8 dot-product units   conv_int8: an integer conv's accumulator without
+                                                                          im2col (regular 3x3 convs of <= 64 channels)
     amx                      AMX-INT8 tiles                               linear (large layers), digit_matmul
     cpu_fused                the C kernels; GEMMs: int8 dot-product units GEMMs via torch._int_mm, every elementwise pass
     avx2_int16               AVX2 (x86)                                   int_mm, linear, linear_grouped (int16 multiply-adds)
@@ -49,6 +51,7 @@ from intqat.ops.backends.base import Backend, TableView, eager_cpu, plain_cpu, t
 from intqat.ops.backends.cpp_step import CppStep
 from intqat.ops.backends.cpu_fused import CpuFused
 from intqat.ops.backends.fp32_exact import EXACT_K, Fp32Exact
+from intqat.ops.backends.onednn_conv import OnednnConv
 from intqat.ops.backends.reference import MAX_K_INT32, Reference
 from intqat.ops.backends.triton import Triton
 
@@ -58,13 +61,13 @@ __all__ = [
     "amx_forward_pays", "self_check",
 ]
 
-TABLE: tuple[Backend, ...] = (Triton(), CppStep(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
+TABLE: tuple[Backend, ...] = (Triton(), CppStep(), OnednnConv(), Amx(), CpuFused(), Avx2Int16(), Fp32Exact(), Reference())
 _BY_NAME = {b.name: b for b in TABLE}
 _forced: list[str] = []
 _last: dict[str, str] = {}
 _recorders: list[collections.Counter] = []
 # primitives whose refusals read the operands' shapes and strides: those go into the cache key of eager calls
-_BY_LAYOUT = frozenset({"int_mm", "linear", "epilogue", "digit_matmul", "linear_grouped"})
+_BY_LAYOUT = frozenset({"int_mm", "linear", "epilogue", "digit_matmul", "linear_grouped", "conv_int8"})
 
 
 def names() -> tuple[str, ...]:
@@ -211,12 +214,20 @@ def explain(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | No
                 verdict += " (forced, so the table went on)"
         lines.append(f"  {b.name:<11} {verdict}")
     if chosen is None:
-        lines.append("  no backend takes it" + ("; for a question with a shape: none is fast, so the op keeps its other "
-                                                  "algorithm (the digit GEMM's: the fp32 backward)" if shape else
-                                                  " (a primitive only some backends implement)"))
+        other = _OTHER_ALGORITHM.get(primitive, "its other path")
+        lines.append("  no backend takes it" + (f"; for a question with a shape: none is fast, so the op keeps its other "
+                                                  f"algorithm ({other})" if shape else
+                                                  f" (a primitive only some backends implement; the op keeps {other})"))
     text = "\n".join(lines)
     print(text, file=file)
     return text
+
+
+# what an op does when no backend takes a primitive only some implement (explain's last line)
+_OTHER_ALGORITHM = {"digit_matmul": "the digit GEMM's: the fp32 backward",
+                    "conv_int8": "the integer conv's: im2col + int_mm",
+                    "ste_grad_input": "the STE backward's: its GEMM, then the mask",
+                    "ste_grad_weight": "the STE backward's: its GEMM, then the mask"}
 
 
 def _note(primitive: str, chosen: Backend | None, record: bool) -> Backend | None:
@@ -272,8 +283,8 @@ def _force_from_env() -> None:
 _force_from_env()
 
 
-def _runs(primitive: str, shape=None) -> str | None:
-    b = select(primitive, shape=shape, record=False, at_run_time=True)
+def _runs(primitive: str, shape=None, spec=None) -> str | None:
+    b = select(primitive, shape=shape, spec=spec, record=False, at_run_time=True)
     return None if b is None else b.name
 
 

@@ -118,7 +118,7 @@ class TableView:
     """What a backend may ask the table (bound to every backend as `Backend.table`; backends import nothing of it).
 
     select(primitive, *tensors)   the table's choice for a call (backends.select): what a composed primitive calls
-    runs(primitive, shape)        the name of the backend an eager run on plain CPU tensors would take
+    runs(primitive, shape, spec)  the name of the backend an eager run on plain CPU tensors would take (None: none)
     fast(primitive, shape, spec)  whether that backend is also fast for this shape (its `slow` says None)
     state()                       what the table's choices depend on besides the call (forced backend, off switches)
     forced_note()                 ' (forced)' while use_backend / INTQAT_BACKEND forces one, else ''

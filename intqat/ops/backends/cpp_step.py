@@ -1,28 +1,34 @@
-"""The C++ training steps as a backend: `linear_step` and `conv_step` in one C++ autograd op each.
+"""The C++ training steps as a backend: `linear_step`, `grouped_step` and `conv_step` in one C++ autograd op each.
 
-intqat.ops.cpp_step builds and calls the ops (kernels/cpu/train_linear.cpp, train_conv.cpp); this class says
-when they may run. They call cpu_fused's C kernels for every elementwise pass and, for the forward GEMM,
-torch._int_mm (cpu_fused) or AVX2 vpmaddwd (avx2_int16): the same bits as the Python path, one call each
-way. So the table gives them a call only where its own choice for every primitive of that step is a kernel
+intqat.ops.cpp_step builds and calls the ops (kernels/cpu/train_linear.cpp, train_grouped.cpp, train_conv.cpp);
+this class says when they may run. They call cpu_fused's C kernels for every elementwise pass and, for the forward
+GEMM, torch._int_mm (cpu_fused), AVX2 vpmaddwd (avx2_int16), the AMX forward kernel (amx; linear only) or oneDNN's int8
+conv (onednn_conv; convs only): the same bits as the Python path, one call each way. So the table gives them a call only where its own choice for every primitive of that step is a kernel
 the op calls; the reason names the primitive and where the table puts it otherwise (a forced backend, a
 GEMM the self-check refused, a CPU class).
 
-The primitives (`reference` implements both: the op's Python path, eager or traced; defined by
-intqat/ops/int_linear.py and int_conv2d.py, which register it, `Reference.define`):
+The primitives (`reference` implements them all: the op's Python path, eager or traced; defined by
+intqat/ops/int_linear.py, int_linear_grouped.py and int_conv2d.py, which register it, `Reference.define`):
 
     linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
         x2d (M, K) fp32 row-major, weight (N, K); shape (M, K, N). spec: int_linear.LinearStep, the op's options
         (`op`, int_linear.LinearSpec: qmin / qmax of x and W, x_dynamic, masks, grad_gemm) and the facts
         (w_scale_given, learned, x_scale_float32, finite); s_x / z_x: the static activation scale and zero point
         as Python numbers (eager CPU calls; None otherwise).
+    grouped_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
+        the per-group (8da4w) layer; shape (M, K, N); spec: int_linear_grouped.GroupedStep (`op`, GroupedSpec: group
+        size, ranges, x_dynamic, w_clip_mask; and the facts as linear_step's). Its forward runs cpu_fused's per-group
+        VNNI kernel only (elsewhere the Python path runs); grad_w as digits where the table's digit GEMM pays.
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
-        x_scale_float32, finite, empty, fits_one_fp32_conv, K).
+        x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry). Its forward GEMM: oneDNN's
+        int8 conv where the table runs `conv_int8` on onednn_conv, else im2col + the table's `int_mm`.
 """
 
 from __future__ import annotations
 
 from intqat.ops import cpp_step as ops
+from intqat.ops import cpu_kernels
 from intqat.ops.backends.base import Backend, plain_cpu
 from intqat.ops.backends.exact import MAX_K_INT32
 
@@ -32,7 +38,7 @@ __all__ = ["CppStep"]
 class CppStep(Backend):
     name = "cpp_step"
     needs = "a C++ compiler and torch's headers (built on first use), and the kernels of cpu_fused / avx2_int16"
-    primitives = frozenset({"linear_step", "conv_step"})
+    primitives = frozenset({"linear_step", "conv_step", "grouped_step"})
 
     def __init__(self):
         self._plans: dict[tuple, tuple | str] = {}
@@ -64,7 +70,8 @@ class CppStep(Backend):
         key = (primitive, shape, spec, self.table.state())
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._linear_plan(shape, spec) if primitive == "linear_step" else self._conv_plan(spec)
+            plan = (self._linear_plan(shape, spec) if primitive == "linear_step" else
+                    self._grouped_plan(shape, spec) if primitive == "grouped_step" else self._conv_plan(spec))
             if len(self._plans) < 4096:
                 self._plans[key] = plan
         return plan
@@ -82,7 +89,7 @@ class CppStep(Backend):
         b = self.table.runs(primitive, shape)
         if b not in ops.LINEAR_GEMMS:
             return (f"the table runs {primitive} on {b}{self.table.forced_note()}: the op's forward GEMM is "
-                    "cpu_fused's torch._int_mm or avx2_int16's kernel")
+                    "cpu_fused's torch._int_mm, avx2_int16's or amx's kernel")
         return ops.LINEAR_GEMMS[b]
 
     def _linear_plan(self, shape, spec) -> tuple | str:
@@ -111,6 +118,32 @@ class CppStep(Backend):
         ran = (("linear", linear), *((p, "cpu_fused") for p in steps))
         return gemm, digits_x, digits_w, ran
 
+    def _grouped_plan(self, shape, spec) -> tuple | str:
+        M, K, N = shape
+        op = spec.op  # (GroupedStep: the op's options, then the facts)
+        if not (M and K and N):
+            return "an empty layer (M, K or N is 0)"
+        if max(M, K, N) > MAX_K_INT32:
+            return "a dimension past MAX_K_INT32 (an int32 sum of the backward digit GEMM could overflow)"
+        if not spec.w_scale_given and op.w_qmin != -op.w_qmax:
+            return "min-max weight scales on an asymmetric range: the Python path computes that scale"
+        b = self.table.runs("linear_grouped", shape)
+        if b != "cpu_fused":
+            return (f"the table runs linear_grouped on {b}{self.table.forced_note()}: the op calls cpu_fused's "
+                    "per-group VNNI kernel")
+        if not cpu_kernels.grouped_vnni_available() or op.group_size % 4:
+            return "the per-group VNNI kernel needs AVX512-VNNI in the build and a group size that is a multiple of 4"
+        digits_w = self.table.fast("digit_matmul", shape, "w")
+        x_mask, w_mask = not op.x_dynamic, op.w_clip_mask and spec.w_scale_given
+        steps = ["quantize_rows_dynamic" if op.x_dynamic else "quantize_rows",
+                 "quantize_rows" if spec.w_scale_given else "quantize_rows_dynamic", "dequantize_rows"]
+        steps += ["pack_mask"] * (x_mask + w_mask) + ["mask_zero_packed_"] * (x_mask + w_mask)
+        steps += ["digit_matmul" if digits_w else "dequantize_rows"]
+        reason = self._passes_on_cpu_fused(steps)
+        if reason is not None:
+            return reason
+        return 0, False, digits_w, (("linear_grouped", "cpu_fused"), *((p, "cpu_fused") for p in steps))
+
     def _conv_plan(self, spec) -> tuple | str:
         if spec.x_dynamic:
             return "dynamic activations: the C++ conv op takes static ones"
@@ -127,6 +160,10 @@ class CppStep(Backend):
             return reason
         if grouped:  # an exact fp32 conv of the codes: no integer GEMM
             return 0, False, False, tuple((p, "cpu_fused") for p in steps)
+        if self.table.runs("conv_int8", spec.gemm_shape, spec.geometry) == "onednn_conv":
+            # oneDNN's int8 conv: the accumulator without im2col, then the epilogue's float steps (no int32 epilogue)
+            ran = (("conv_int8", "onednn_conv"), *((p, "cpu_fused") for p in steps if p != "epilogue"))
+            return ops.CONV_ONEDNN, False, False, ran
         gemm = self._gemm("int_mm", None)
         if isinstance(gemm, str):
             return gemm
@@ -142,6 +179,14 @@ class CppStep(Backend):
         return ops.run_linear(gemm, digits_x, digits_w, x2d, weight, bias, w_scale, 0.0 if s_x is None else s_x,
                               0 if z_x is None else z_x, op.x_qmin, op.x_qmax, op.w_qmin, op.w_qmax, op.x_dynamic,
                               op.w_clip_mask and spec.w_scale_given)
+
+    def grouped_step(self, x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x):
+        _, _, digits_w, ran = self._plan("grouped_step", (x2d.shape[0], x2d.shape[1], weight.shape[0]), spec)
+        self.table.note_ran(ran)
+        op = spec.op
+        return ops.run_grouped(digits_w, x2d, weight, bias, w_scale, 0.0 if s_x is None else s_x,
+                               0 if z_x is None else z_x, op.group_size, op.x_qmin, op.x_qmax, op.w_qmin, op.w_qmax,
+                               op.x_dynamic, op.w_clip_mask and spec.w_scale_given)
 
     def conv_step(self, x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x):
         gemm, _, _, ran = self._plan("conv_step", None, spec)

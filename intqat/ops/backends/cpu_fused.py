@@ -57,7 +57,7 @@ class CpuFused(Backend):
     needs = "a C compiler (kernels built on first use); integer GEMMs: int8 dot-product units (torch._int_mm)"
     # every primitive of the reference but the whole training steps: the GEMMs through torch._int_mm (the
     # per-group one through its VNNI kernel), the passes in C
-    primitives = Reference.primitives - {"linear_step", "conv_step"}
+    primitives = Reference.primitives - {"linear_step", "conv_step", "grouped_step"}
     on_int_mm = frozenset({"int_mm", "linear", "digit_matmul"})  # the primitives it runs on torch._int_mm
 
     def unavailable(self):

@@ -82,7 +82,7 @@ class Reference(Backend):
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
         "fake_quantize_rows", "dequantize_rows", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
-        "minmax", "linear_step", "conv_step",
+        "minmax", "linear_step", "conv_step", "grouped_step",
     })
     traceable = True
     _steps: dict = {}  # "linear_step" / "conv_step" -> the op's Python path (`define`)
@@ -100,7 +100,7 @@ class Reference(Backend):
     @classmethod
     def define(cls, primitive: str, step) -> None:
         """Register an op's Python path as this backend's `primitive` (int_linear.py: "linear_step",
-        int_conv2d.py: "conv_step"): its autograd.Function eagerly, its custom op while traced. The op modules
+        int_linear_grouped.py: "grouped_step", int_conv2d.py: "conv_step"): its autograd.Function eagerly, its custom op while traced. The op modules
         register it so that backends import no op file."""
         cls._steps[primitive] = step
 
@@ -109,6 +109,9 @@ class Reference(Backend):
 
     def conv_step(self, *args):
         return self._steps["conv_step"](*args)
+
+    def grouped_step(self, *args):
+        return self._steps["grouped_step"](*args)
 
     # --- integer GEMMs -------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ RuntimeWarning is issued, and the table's next backend runs the call: exact, per
                                                    training ops (kernels/cpu/train_*.cpp) through the table
     fp32 mm          torch.mm in fp32 (MKL/oneDNN) fp32_exact's int_mm / linear / digit_matmul (K slices
                                                    <= 1024 of int8 codes)
+    oneDNN int8 conv onednn.qconv_pointwise        onednn_conv's conv_int8, the C++ conv step's forward (run as
+                                                   a 1x1 conv: conv_onednn.gemm_via_conv)
 
 `check_int_mm()` is the same check for anyone's torch._int_mm (intqat.ops re-exports it): run it where an
 exported program, which holds aten._int_mm, will run.
@@ -37,6 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from intqat.ops import conv_onednn
 from intqat.ops.backends.exact import EXACT_K, exact_int_mm, fp32_slices_mm
 
 __all__ = ["LibraryGemm", "GEMMS", "untrusted", "untrusted_while_compiling", "verdicts", "check_int_mm",
@@ -49,6 +52,7 @@ class LibraryGemm:
     library: str  # whose kernel it is
     users: str  # which backends / ops call it
     run: Callable[[Tensor, Tensor], Tensor]  # a (M, K) int8 @ b (K, N) int8 -> int32, as its users call it
+    unavailable: Callable[[], str | None] = lambda: None  # why it cannot run here at all (then it is not checked)
 
 
 GEMMS: dict[str, LibraryGemm] = {
@@ -58,6 +62,11 @@ GEMMS: dict[str, LibraryGemm] = {
     "fp32 mm": LibraryGemm(
         "fp32 mm", "torch.mm in fp32 (MKL / oneDNN)",
         "fp32_exact's int_mm / linear / digit_matmul (exact fp32 K slices)", fp32_slices_mm),
+    # the GEMM as a 1x1 convolution: u8 shift, prepack, int32 sums, the fp32 output and its channel chunks
+    "oneDNN int8 conv": LibraryGemm(
+        "oneDNN int8 conv", "oneDNN's int8 convolution (torch.ops.onednn.qconv_pointwise)",
+        "onednn_conv's conv_int8 and the C++ conv step's forward", conv_onednn.gemm_via_conv,
+        conv_onednn.unavailable_reason),
 }
 
 # Environment variables and torch settings that change which kernel a library GEMM runs: the reason for a
@@ -183,10 +192,11 @@ def untrusted_while_compiling(name: str) -> bool:
 
 
 def verdicts(run: bool = True) -> list[tuple[LibraryGemm, str | None, bool]]:
-    """[(gemm, reason or None, checked)] for every library GEMM; run=True checks those not checked yet."""
+    """[(gemm, reason or None, checked)] for every library GEMM; run=True checks those not checked yet (a GEMM that
+    cannot run here at all, `LibraryGemm.unavailable`, is not checked)."""
     out = []
     for name, gemm in GEMMS.items():
-        if run:
+        if run and gemm.unavailable() is None:
             untrusted(name)
         out.append((gemm, _verdicts.get(name), name in _verdicts))
     return out

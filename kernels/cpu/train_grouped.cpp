@@ -1,0 +1,188 @@
+/* intqat_train::int_linear_grouped: the eager CPU training step of intqat::int_linear_grouped (per-group weight
+ * scales, "8da4w") as one C++ autograd op, as train_linear.cpp is int_linear's.
+ *
+ * Why: the Python path runs ~15 small steps per call (quantize x, quantize W per group, pack the weight for the
+ * VNNI kernel, the kernel, masks; backward: two dequantizations, two GEMMs, masks, the autograd.Function around
+ * them): a Llama block's seven per-group layers paid ~0.15 ms each per step in interpreter and dispatch, on
+ * layers whose GEMMs take a few tens of microseconds at small batch.
+ *
+ * Same bits as the Python path (intqat/ops/int_linear_grouped.py with backend cpu_fused), step for step: the
+ * passes and the per-group VNNI kernel are the fused C library's (fused.c, grouped_linear.c: linked by path), the
+ * backward GEMMs the same aten calls on the same layouts (digit_matmul.h). tests/test_grouped_cpp_step.py
+ * compares outputs and gradients bit for bit.
+ *
+ * Forward, x (M, K) fp32 contiguous, W (N, K), G = K / gs groups:
+ *     q_x, s_x = quantize(x)                  dynamic per-token (z = 0), or static per-tensor with its clip mask
+ *     q_w, s_w = quantize(W[n, group g], s_w[n, g], 0)   w_scale given (clip mask kept), or min-max per (n, g)
+ *     y[m, n] = (sum_g float32(acc_g[m, n]) * s_w[n, g]) * s_x[m] + b[n]   grouped_linear.c's VNNI kernel
+ * Backward (straight-through):
+ *     grad_x = mask_x * (g @ w_hat),  w_hat[n, k] = q_w[n, k] s_w[n, g(k)]
+ *     grad_w = mask_w * (gᵀ @ ((q_x - z) s_x))    or that GEMM as digits (digits_w: digit_gemm.py)
+ *     grad_b = sum_m g */
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "digit_matmul.h"  // intqat::digit_matmul, intqat::dequantized
+#include "scratch.h"  // intqat::scratch
+
+extern "C" {  // fused.c, grouped_linear.c
+void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
+                          float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
+void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
+                                  int8_t *out, float *scale, int32_t *rowsum);
+void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
+void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
+void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, int64_t gs, int64_t Np, int8_t *bp,
+                         int32_t *cs);
+void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *bp,
+                                const int32_t *cs, const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z,
+                                const float *s_x, int64_t sx_stride, const float *bias, float *y, int64_t ldy);
+}
+
+namespace {
+
+using intqat::data_or_null;
+using intqat::scratch;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/* bool (n) -> bits ((n + 7) / 8,) uint8: intqat.ops.masks.pack_mask */
+at::Tensor packed(const at::Tensor &mask) {
+    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr(), mask.numel(), data_or_null<uint8_t>(bits));
+    return bits;
+}
+
+void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
+    if (bits.numel() && g.numel()) intqat_mask_zero_bits(data_or_null<float>(g), data_or_null<uint8_t>(bits), g.numel());
+}
+
+/* y (M, N) through the per-group VNNI kernel: cpu_kernels.grouped_linear(fp32_codes=False), the same packs */
+at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const at::Tensor &s_w, int32_t z,
+                           const at::Tensor &s_x, const at::Tensor &bias, int64_t gs) {
+    const int64_t M = q_x.size(0), K = q_x.size(1), N = q_w.size(0), G = s_w.size(1);
+    at::Tensor y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
+    if (M == 0 || N == 0) return y;
+    const int64_t Np = (N + 31) / 32 * 32;
+    at::Tensor bp = at::empty({Np * K}, at::TensorOptions().dtype(at::kChar));
+    at::Tensor cs = at::empty({G, Np}, at::TensorOptions().dtype(at::kInt));
+    intqat_grouped_pack(data_or_null<int8_t>(q_w), N, K, K, gs, Np, data_or_null<int8_t>(bp), data_or_null<int32_t>(cs));
+    at::Tensor swt = at::zeros({G, Np}, at::TensorOptions().dtype(at::kFloat));
+    swt.narrow(1, 0, N).copy_(s_w.t());
+    intqat_grouped_linear_vnni(data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(bp), data_or_null<int32_t>(cs),
+                               data_or_null<float>(swt), N, Np, gs, z, data_or_null<float>(s_x),
+                               s_x.numel() == 1 ? 0 : 1, data_or_null<float>(bias), data_or_null<float>(y), N);
+    return y;
+}
+
+}  // namespace
+
+namespace intqat {  // (named: the autograd node reads CppNode<intqat::IntLinearGroupedTrain>)
+
+struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGroupedTrain> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
+                              double x_scale, int64_t x_zero_point, int64_t group_size, int64_t x_qmin, int64_t x_qmax,
+                              int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_w,
+                              double eps) {
+        TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+                    "intqat_train::int_linear_grouped: x must be a contiguous (M, K) float32 tensor, got ", x.sizes());
+        const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), gs = group_size, G = K / gs;
+        TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && K % gs == 0,
+                    "intqat_train::int_linear_grouped: weight ", weight.sizes(), " and group_size ", gs,
+                    " do not fit x ", x.sizes());
+        const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar);
+        const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
+        // activations (int_linear.quantize_activation)
+        at::Tensor q_x = at::empty({M, K}, i8), s_x, bits_x = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        if (x_dynamic) {
+            s_x = at::empty({M, 1}, f32);
+            if (M) intqat_quantize_rows_dynamic(data_or_null<float>(x), M, K, (float)x_qmin, (float)x_qmax, (float)eps,
+                                                data_or_null<int8_t>(q_x), data_or_null<float>(s_x), nullptr);
+        } else {
+            s_x = at::full({1, 1}, x_scale, f32);
+            at::Tensor mask = scratch("mask_x", {M * K}, at::kBool);
+            if (x.numel()) intqat_quantize_rows(data_or_null<float>(x), M, K, data_or_null<float>(s_x), 0, (float)z,
+                                                (float)x_qmin, (float)x_qmax, data_or_null<int8_t>(q_x),
+                                                (uint8_t *)mask.data_ptr(), nullptr);
+            bits_x = packed(mask);
+        }
+        // weights per (row, group): each group one row of the (N * G, gs) view (quantize_weight_grouped)
+        const at::Tensor w = weight.detach().to(at::kFloat).contiguous();
+        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        const bool given = w_scale.has_value() && w_scale->defined();
+        if (given) {
+            s_w = w_scale->detach().to(at::kFloat, false, /*copy=*/true).contiguous();  // (N, G)
+            at::Tensor mask = w_clip_mask ? scratch("mask_w", {N * K}, at::kBool) : at::Tensor();
+            if (w.numel()) intqat_quantize_rows(data_or_null<float>(w), N * G, gs, data_or_null<float>(s_w), 1, 0.0f,
+                                                (float)w_qmin, (float)w_qmax, data_or_null<int8_t>(q_w),
+                                                mask.defined() ? (uint8_t *)mask.data_ptr() : nullptr, nullptr);
+            if (mask.defined()) bits_w = packed(mask);
+        } else {  // symmetric min-max per group (the plan takes no other): never clips, no mask
+            s_w = at::empty({N, G}, f32);
+            if (w.numel()) intqat_quantize_rows_dynamic(data_or_null<float>(w), N * G, gs, (float)w_qmin, (float)w_qmax,
+                                                        (float)eps, data_or_null<int8_t>(q_w), data_or_null<float>(s_w),
+                                                        nullptr);
+        }
+        const at::Tensor bias = bias_in.has_value() && bias_in->defined()
+                                    ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
+        at::Tensor y = grouped_forward(q_x, q_w, s_w, z, s_x, bias, gs);
+        ctx->save_for_backward({q_x, bits_x, q_w, bits_w, s_x, s_w});
+        ctx->saved_data["z"] = (int64_t)z;
+        ctx->saved_data["digits_w"] = digits_w;
+        ctx->saved_data["has_bias"] = bias.defined();
+        return y;
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list out(15);  // one per forward input; only x, weight, bias get gradients
+        at::Tensor g = grads[0];
+        if (!g.defined()) return out;
+        g = g.to(at::kFloat);
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
+                         &s_w = saved[5];
+        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
+        if (ctx->needs_input_grad(0)) {  // g @ w_hat, w_hat = dequantize_weight_grouped(q_w, s_w)
+            const int64_t N = q_w.size(0), K = q_w.size(1), G = s_w.size(1);
+            at::Tensor w_hat = dequantized("w_hat", q_w.view({N * G, K / G}), s_w, 0, /*per_row=*/true).view({N, K});
+            at::Tensor gx = at::mm(g, w_hat);
+            mask_zero_bits_(gx, bits_x);
+            out[0] = gx;
+        }
+        if (ctx->needs_input_grad(1)) {
+            at::Tensor s = s_x.reshape({-1});
+            at::Tensor gw = ctx->saved_data["digits_w"].toBool()
+                                ? digit_matmul(g.t(), s, q_x, z)
+                                : at::mm(g.t(), dequantized("x_hat", q_x, s, z, /*per_row=*/s.numel() > 1));
+            mask_zero_bits_(gw, bits_w);
+            out[1] = gw;
+        }
+        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+        return out;
+    }
+};
+
+}  // namespace intqat
+
+namespace {
+
+at::Tensor int_linear_grouped(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                              const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point,
+                              int64_t group_size, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin, int64_t w_qmax,
+                              bool x_dynamic, bool w_clip_mask, bool digits_w, double eps) {
+    return intqat::IntLinearGroupedTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, group_size, x_qmin,
+                                                x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, digits_w, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
+    m.def("int_linear_grouped(Tensor x, Tensor weight, Tensor? bias, Tensor? w_scale, float x_scale, "
+          "int x_zero_point, int group_size, int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, "
+          "bool w_clip_mask, bool digits_w, float eps) -> Tensor",
+          int_linear_grouped);
+}

@@ -1,0 +1,128 @@
+"""The per-group (8da4w) training step as one C++ op (backend cpp_step, primitive grouped_step,
+kernels/cpu/train_grouped.cpp) gives the Python path's bits and the reference's: output and the three gradients
+compared with torch.equal, forward and backward; where it does not run, `explain` says why."""
+
+import copy
+import importlib
+import os
+
+import pytest
+import torch
+
+import intqat
+from intqat.ops import backends, cpp_step, cpu_kernels
+from intqat.ops.int_linear_grouped import int_linear_grouped
+
+grouped_mod = importlib.import_module("intqat.ops.int_linear_grouped")  # (intqat.ops re-exports the function's name)
+
+RUNS = cpp_step.unavailable_reason() is None and cpu_kernels.available() and cpu_kernels.grouped_vnni_available()
+needs_cpp = pytest.mark.skipif(not RUNS, reason="the C++ grouped step needs the C++ ops and the per-group VNNI kernel "
+                                                "(AVX512-VNNI); this CPU keeps the Python path")
+
+
+def _inputs(M, K, N, gs, given, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 2).requires_grad_()
+    w = (torch.randn(N, K, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(N, generator=g).requires_grad_()
+    ws = w.detach().reshape(N, K // gs, gs).abs().amax(-1) / 7 * 0.8 if given else None  # some weights clip
+    return x, w, b, ws
+
+
+def _step(x, w, b, ws, **kw):
+    y = int_linear_grouped(x, w, b, torch.tensor([0.05]), torch.tensor([-3.0]), ws, **kw)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    return (y, *torch.autograd.grad(y, (x, w, b), g))
+
+
+CASES = [  # (M, K, N, group size, dynamic activations, w_scale given)
+    (32, 256, 768, 32, True, False),  # a Llama MLP layer at small batch: 8da4w
+    (7, 64, 24, 32, True, True),
+    (5, 128, 40, 16, False, True),  # static activations: the clip masks
+    (1, 64, 33, 64, True, False),
+    (64, 96, 48, 32, False, False),
+]
+
+
+@needs_cpp
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("-dyn" if c[4] else "-static")
+                         + ("-scale" if c[5] else "-minmax"))
+def test_grouped_step_equals_python_path_and_reference(case):
+    M, K, N, gs, dyn, given = case
+    x, w, b, ws = _inputs(M, K, N, gs, given, seed=M + K)
+    kw = dict(group_size=gs, x_dynamic=dyn)
+    if not dyn:
+        kw.update(x_qmin=-128, x_qmax=127)
+    with backends.recording() as ran:
+        got = _step(x, w, b, ws, **kw)
+    assert ran[("grouped_step", "cpp_step")] == 1, dict(ran)
+    with cpp_step.disabled():
+        python = _step(x, w, b, ws, **kw)
+    with backends.use_backend("reference"):
+        ref = _step(x, w, b, ws, **kw)
+    for name, a, p, r in zip(("y", "grad_x", "grad_w", "grad_b"), got, python, ref):
+        assert torch.equal(a, p), ("python path", name)
+        assert torch.equal(a, r), ("reference", name)
+
+
+@needs_cpp
+def test_grouped_step_digit_backward_equals_python_path(monkeypatch):
+    """grad_w as a digit GEMM on torch._int_mm (the C++ op's digit_matmul.h, shared with train_linear.cpp) against
+    the Python path's digit GEMM on cpu_fused: the table's rule never takes it on this CPU class at these sizes, so
+    both are made to: the Python side by its digits_pay, the C++ side through its run function."""
+    M, K, N, gs = 96, 128, 64, 32
+    x, w, b, _ = _inputs(M, K, N, gs, False)
+    monkeypatch.setattr(grouped_mod, "digits_pay", lambda *a, grad="x": grad == "w")
+    with cpp_step.disabled(), backends.use_backend("cpu_fused"), backends.recording() as ran:
+        want = _step(x, w, b, None, group_size=gs)
+    assert ran[("digit_matmul", "cpu_fused")] == 1
+    y = cpp_step.run_grouped(True, x, w, b, None, 0.0, 0, gs, -127, 127, -7, 7, True, False)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    got = (y, *torch.autograd.grad(y, (x, w, b), g))
+    for name, a, c in zip(("y", "grad_x", "grad_w", "grad_b"), got, want):
+        assert torch.equal(a, c), name
+
+
+@needs_cpp
+def test_grouped_step_refusals_are_explained():
+    x, w, b, ws = _inputs(8, 64, 16, 32, True)
+    learned = ws.clone().requires_grad_()
+    with backends.recording() as ran:
+        int_linear_grouped(x, w, b, None, None, learned, group_size=32)
+    assert ran[("grouped_step", "reference")] == 1
+    spec = grouped_mod.GroupedStep(grouped_mod.GroupedSpec(32, -127, 127, -8, 7, True, True), False, False, True, True)
+    text = backends.explain("grouped_step", shape=(8, 64, 16), spec=spec, file=open(os.devnull, "w"))
+    assert "asymmetric range" in text and "reference   RUNS IT" in text
+    spec = grouped_mod.GroupedStep(grouped_mod.GroupedSpec(2, -127, 127, -7, 7, True, True), False, False, True, True)
+    text = backends.explain("grouped_step", shape=(8, 64, 16), spec=spec, file=open(os.devnull, "w"))
+    assert "multiple of 4" in text
+    spec = grouped_mod.GroupedStep(grouped_mod.GroupedSpec(32, -127, 127, -7, 7, True, True), False, True, True, True)
+    text = backends.explain("grouped_step", shape=(8, 64, 16), spec=spec, file=open(os.devnull, "w"))
+    assert "learned (LSQ)" in text
+
+
+@needs_cpp
+def test_llama_block_trains_the_same_with_the_cpp_step():
+    """A small Llama block under 8da4w, three Adam steps: every parameter equal with and without the C++ ops."""
+    from intqat.bench.blocks import make_llama_block
+
+    torch.manual_seed(0)
+    base = make_llama_block(64, 4, 2, 160, 10)
+    x = torch.randn(2, 8, 64)
+    y = torch.randint(0, 10, (2,))
+    models = []
+    for cpp in (True, False):
+        m = copy.deepcopy(base)
+        intqat.prepare_qat(m, "8da4w")
+        intqat.to_integer(m)
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        with (backends.recording() if cpp else cpp_step.disabled()) as ran:
+            for _ in range(3):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        if cpp:
+            assert ran[("grouped_step", "cpp_step")] == 24, dict(ran)  # the block's seven layers and the head, 3 steps
+        models.append(m)
+    for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert torch.equal(p, q), name
