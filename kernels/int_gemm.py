@@ -1,4 +1,4 @@
-"""int8 x int8 -> int32 GEMM with the integer-linear epilogue of NUMERICS.md.
+"""int8 x int8 -> int32 GEMM with the integer-linear epilogue of docs/numerics.md.
 
 One kernel serves four ops; a constexpr picks the epilogue:
 
@@ -10,7 +10,7 @@ One kernel serves four ops; a constexpr picks the epilogue:
 The linear ops read q_w (N, K) through its strides as b = q_wᵀ (K, N): no copy. Per-tensor
 vectors (scale / zero point of shape (1,)) are read with stride 0, per-row ones with their
 own stride, so one code path covers both. int32 accumulation is exact while the true
-|acc| < 2^31 (NUMERICS.md: K <= 131071 for int8 codes); beyond, the interpreter wraps like
+|acc| < 2^31 (docs/numerics.md: K <= 131071 for int8 codes); beyond, the interpreter wraps like
 torch._int_mm, while on a GPU Triton's int8 mma.sync (sm_80) saturates (satfinite, in its PTX).
 """
 
@@ -113,7 +113,7 @@ def round_half_even(x):
     return tl.where(a < 8388608.0, r, x)  # also passes inf / nan through
 
 
-# mul_rn(x, y): the fp32 product, rounded once and never fused with a following add. NUMERICS.md
+# mul_rn(x, y): the fp32 product, rounded once and never fused with a following add. docs/numerics.md
 # rounds each epilogue step separately; on a GPU, Triton's default fp fusion would contract
 # `float(acc) * scale + bias` into one fma (one rounding: other bits than the CPU path, seen in
 # the PTX as fma.rn.f32). PTX mul.rn (libdevice mul_rn) is never contracted. The interpreter's
@@ -403,7 +403,7 @@ def int_linear_forward(
     out_qmin: int = -128,
     out_qmax: int = 127,
 ) -> Tensor:
-    """Integer linear forward, NUMERICS.md "Integer linear":
+    """Integer linear forward, docs/numerics.md "Integer linear":
 
         acc = q_x @ q_wᵀ - z_x[:, None] * w_colsum[None, :]          int32, exact
         y   = float32(acc) * (x_scale[:, None] * w_scale[None, :]) + bias
@@ -431,7 +431,7 @@ def int_linear_forward(
         check_vector("out_zero_point", out_zero_point, (1,), _INT_DTYPES)
         if not -128 <= out_qmin <= out_qmax <= 127:
             raise ValueError(f"need -128 <= out_qmin <= out_qmax <= 127, got out_qmin={out_qmin}, out_qmax={out_qmax}")
-        # inv_s = float32(1 / s), computed once; the kernel multiplies (NUMERICS.md).
+        # inv_s = float32(1 / s), computed once; the kernel multiplies (docs/numerics.md).
         out_inv_scale = torch.reciprocal(out_scale.reshape(1))
     elif out_dtype not in _FLOAT_OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.float32, bfloat16, float16 or int8, got {out_dtype}")

@@ -1,4 +1,4 @@
-"""Straight-through backward of the integer linear, fp32, from the int8 codes (NUMERICS.md).
+"""Straight-through backward of the integer linear, fp32, from the int8 codes (docs/numerics.md).
 
     grad_xhat = (grad_out * s_w[None, :]) @ float(q_w)          (M, N) @ (N, K) -> (M, K)
     grad_x    = grad_xhat * mask_x
@@ -420,7 +420,7 @@ def ste_grad_weight_lsq(
 ) -> tuple[Tensor, Tensor]:
     """(grad_w, grad_w_scale): grad_w as ste_grad_weight_plain; the per-channel LSQ scale
     gradient grad_w_scale[n] = w_grad_factor * sum_k grad_what[n, k] * d w_hat / d s[n, k]
-    (NUMERICS.md, z_w = 0), = torch._fake_quantize_learnable_per_channel_affine's backward."""
+    (docs/numerics.md, z_w = 0), = torch._fake_quantize_learnable_per_channel_affine's backward."""
     M, N, K = _check_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w)
     check_matrix("weight", weight, _GRAD_DTYPES)
     if tuple(weight.shape) != (N, K):
@@ -431,7 +431,7 @@ def ste_grad_weight_lsq(
     check_same_device(grad_out=grad_out, weight=weight, w_scale=w_scale)
 
     grad_w = torch.empty((N, K), dtype=torch.float32, device=grad_out.device)
-    # inv_s = float32(1 / s) once per channel; the kernel multiplies (NUMERICS.md).
+    # inv_s = float32(1 / s) once per channel; the kernel multiplies (docs/numerics.md).
     w_inv_scale = torch.reciprocal(w_scale)
     grad_s_partial = torch.empty((N, triton.cdiv(K, _BLOCK_K)), dtype=torch.float32, device=grad_out.device)
     _launch_grad_weight(grad_out, q_x, x_scale, x_zero_point, mask_w, grad_w, weight=weight,

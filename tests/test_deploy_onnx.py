@@ -3,7 +3,7 @@ structure (per-channel int8 weights with zero point 0, INT4 per-group weights in
 it in a Python that never imports intqat, layers kept float and named, bad input, atomic writes, and intqat-export
 --format onnx,onnx-int end to end.
 
-Tolerance (NUMERICS.md, "ONNX forms"): the Q/DQ form's codes are the integer model's (QuantizeLinear divides by s
+Tolerance (docs/numerics.md, "ONNX forms"): the Q/DQ form's codes are the integer model's (QuantizeLinear divides by s
 where intqat multiplies by fp32(1/s): a code may move by one where x / s lies within an ulp of a half), and
 onnxruntime computes y from them in its own float order (or fuses the pattern into its own integer kernels). Outputs
 are compared by max |diff| in steps of a symmetric int8 grid over the output's range (max |y| / 127): at most

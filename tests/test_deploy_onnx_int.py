@@ -1,7 +1,7 @@
 """The integer ONNX form (export_onnx(form="int"), model.int.onnx): MatMulInteger / ConvInteger into int32 and intqat's
 fp32 epilogue after them, run in onnxruntime (CPU), equals the integer model bit for bit (torch.equal) for every
 preset x layer type; a model whose float ops onnxruntime computes in its own order (LayerNorm, softmax, GELU, means)
-is compared within a stated tolerance (NUMERICS.md, "ONNX forms")."""
+is compared within a stated tolerance (docs/numerics.md, "ONNX forms")."""
 
 import warnings
 

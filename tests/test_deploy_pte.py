@@ -2,7 +2,7 @@
 integer model; the delegation census; a layer XNNPACK cannot take is named and kept float; the .pte runs in a
 Python that never imports intqat; formats asked for without their package fail before anything is written.
 
-Tolerances (the .pte against intqat's integer model, NUMERICS.md "Deploy forms"): the codes of the Q/DQ form are
+Tolerances (the .pte against intqat's integer model, docs/numerics.md "Deploy forms"): the codes of the Q/DQ form are
 the integer model's (tests/test_deploy_qdq.py), but XNNPACK computes from them with its own arithmetic:
 dynamic activations are re-quantized on XNNPACK's own per-row (per-image) asymmetric grid, static GEMMs round
 their int32 bias to s_x s_w and requantize their int8 outputs, and a static layer that feeds float ops gets an

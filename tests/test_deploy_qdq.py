@@ -1,5 +1,5 @@
 """to_qdq: the Q/DQ deploy form makes the integer model's codes bit for bit, and its outputs differ from the integer
-layers' only by float rounding (NUMERICS.md, "Deploy forms"). Runtimes are not involved here (test_deploy_pte.py)."""
+layers' only by float rounding (docs/numerics.md, "Deploy forms"). Runtimes are not involved here (test_deploy_pte.py)."""
 
 import warnings
 

@@ -1,6 +1,6 @@
 """Grouped and depthwise integer convs as one computation, and in-place activations after integer convs.
 
-The reference is the per-group computation NUMERICS.md defines (im2col, int_mm per group, the integer
+The reference is the per-group computation docs/numerics.md defines (im2col, int_mm per group, the integer
 epilogue): the one grouped fp32 convolution of the codes must give the same bits (torch.equal).
 """
 

@@ -5,7 +5,7 @@
 torch ships oneDNN's int8 convolution as `torch.ops.onednn.qconv_pointwise` (what Inductor's x86 int8 path calls):
 u8 activations with a zero point, s8 weights prepacked by `onednn.qconv_prepack`, int32 accumulation, and an
 fp32 output `float32(acc) * (x_scale * w_scale[o]) + bias`. Asked with unit scales and no bias, the output is
-float32(acc): the int32 accumulator converted once. intqat's epilogue (NUMERICS.md) then runs on it as on the
+float32(acc): the int32 accumulator converted once. intqat's epilogue (docs/numerics.md) then runs on it as on the
 im2col GEMM's int32 result. Why that is exact:
 
 - activations: our int8 codes q as u8 are q + 128 (the bits xor 0x80), with zero point z + 128, so

@@ -31,7 +31,7 @@ CPU class it was measured on: with AMX, both backward GEMMs from M >= 128 and M*
 torch._int_mm on AMD Zen 5 with AVX-512 VNNI (int8 ~8x fp32's rate), both from M*N*K >= 2^21 (grad_w with
 64 <= M <= 2 max(N, K)); on other CPUs with int8 dot units (int8 ~4x fp32), only grad_x, from N >= 512 and
 M*N*K >= 2^24; elsewhere (fp32_exact, the reference's torch twin) never. `grad_gemm="fp32"` (QuantConfig /
-int_linear) keeps the plain fp32 GEMMs of NUMERICS.md. Contractions longer than MAX_K_INT32 (int32 digit sums
+int_linear) keeps the plain fp32 GEMMs of docs/numerics.md. Contractions longer than MAX_K_INT32 (int32 digit sums
 could overflow) take that path.
 
 The C kernels and the torch functions here compute the same bits; tests/test_digit_gemm.py checks

@@ -108,7 +108,7 @@ def conv_codes_forward(
 
 # fp32 holds every integer up to 2^24 exactly; a product (q_x - z_x) * q_w is at most 255 * 128 < 2^15 in
 # magnitude, so any sum of <= 2^24 / 2^15 = 512 of them (any order, any blocking, FMA or not) is exact:
-# NUMERICS.md's last section, with the zero point taken into the codes. It stays exact with oneDNN's reduced
+# docs/numerics.md's "Exact int8 products on fp32 units", with the zero point taken into the codes. It stays exact with oneDNN's reduced
 # fp32 precision modes too (torch.backends.mkldnn.conv.fp32_precision "tf32" / "bf16", checked here): the
 # operands are integers of <= 8 significant bits, which both formats hold, and the sums stay fp32.
 _EXACT_FP32_TERMS = 512

@@ -1,6 +1,6 @@
 """The differentiable integer linear layer: int8 forward (the deployed arithmetic), fp32 STE backward.
 
-Forward, x (M, K) and W (N, K) in the nn.Linear layout (NUMERICS.md):
+Forward, x (M, K) and W (N, K) in the nn.Linear layout (docs/numerics.md):
     q_x = quantize(x, s_x, z_x)                  # static per-tensor, or dynamic per-token (z_x = 0)
     q_w = quantize(W, s_w[n], 0)                 # symmetric, per output channel
     acc = int_mm(q_x, q_wᵀ) - z_x * colsum(q_w)  # (M, N) int32, exact

@@ -2,7 +2,7 @@
 int4 weights with one scale per group of `group_size` input features).
 
 x (M, K), W (N, K), groups g = 0 .. G-1 of the K axis, G = K / group_size, k in group g when
-k // group_size == g. Forward (NUMERICS.md, "Per-group weights"):
+k // group_size == g. Forward (docs/numerics.md, "Per-group layers"):
     q_x      = quantize(x, s_x, z_x)                       # per-token dynamic (z_x = 0) or static per-tensor
     q_w      = quantize(W, s_w[n, g(k)], 0)                # symmetric, one scale per (row, group)
     acc_g    = sum_{k in g} (q_x[m, k] - z_x) * q_w[n, k]  # (G, M, N) int32, exact
@@ -22,7 +22,7 @@ Where the forward runs:
   the reference below;
 - otherwise (traced by torch.export / torch.compile, no compiler): the reference in portable aten
   ops: one batched fp32 GEMM of the codes, exact because every partial sum is an integer of
-  magnitude <= group_size * 2^14 <= 2^24 (NUMERICS.md, last section), then the sum over groups as
+  magnitude <= group_size * 2^14 <= 2^24 (docs/numerics.md, "Exact int8 products on fp32 units"), then the sum over groups as
   G - 1 explicit adds, which fixes their order;
 - CUDA / INTQAT_BACKEND=triton: kernels/int_gemm_grouped.py (scales applied inside its K loop).
 `intqat::int_linear_grouped` is one torch.library custom op (export / compile see one node); eager calls go
@@ -132,7 +132,7 @@ def group_sums(q_x: Tensor, q_w: Tensor, G: int, z_x: Tensor | None) -> Tensor:
     Traced (what exported programs hold): one batched fp32 GEMM of the codes: every partial sum is an
     integer of magnitude <= gs * 2^14 <= 2^24, so any summation order gives the exact value. Eager on the
     CPU (the definition the kernels are tested against): one batched int64 GEMM, aten's own integer loop,
-    sharing no kernel with them (NUMERICS.md, "The definition does not lean on the kernels it checks").
+    sharing no kernel with them (docs/numerics.md, "The definition does not lean on the kernels it checks").
     The same integers either way. The zero-point correction z_x * colsum_g(q_w) is applied in int32 (the
     difference may exceed 2^24).
     """

@@ -1,6 +1,6 @@
 """STE clip masks kept for backward as bits, not bytes.
 
-A clip mask (NUMERICS.md: mask = qmin <= r <= qmax) is one bit of information per element, but torch
+A clip mask (docs/numerics.md: mask = qmin <= r <= qmax) is one bit of information per element, but torch
 stores a bool per byte: saved for backward, the masks of a static w8a8 layer were as large as its int8
 codes (2 bytes kept per activation element, as much as a bf16 layer). Packed 8 to a byte they cost
 1/8 of the codes; the backward unpacks them to the same bools (exact round trip, tested).

@@ -1,4 +1,4 @@
-"""Affine quantize / dequantize with torch's own formula (see NUMERICS.md).
+"""Affine quantize / dequantize with torch's own formula (see docs/numerics.md).
 
     inv_s = float32(1 / s)
     r     = nearbyint(x * inv_s) + z        # round half to even, before clamping

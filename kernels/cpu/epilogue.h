@@ -2,7 +2,7 @@
  * (after the AMX tiles), so both write the same bits:
  *     y[n] = float32(a[n] - z_x * colsum[n]) * (sx * s_w[n]) (+ bias[n])
  * The int32 arithmetic wraps like torch's; colsum NULL: symmetric activations (no correction);
- * bias may be NULL. NUMERICS.md has the why of each step. */
+ * bias may be NULL. docs/numerics.md has the why of each step. */
 #ifndef INTQAT_EPILOGUE_H
 #define INTQAT_EPILOGUE_H
 #include <stdint.h>

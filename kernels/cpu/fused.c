@@ -1,6 +1,6 @@
 /* intqat's fused CPU kernels: the elementwise passes around torch._int_mm, one memory pass each.
  *
- * Every function computes exactly what the torch reference in intqat/ops computes (NUMERICS.md),
+ * Every function computes exactly what the torch reference in intqat/ops computes (docs/numerics.md),
  * bit for bit: the same float32 operations in the same order, one rounding each. That is why this
  * file is compiled with -ffp-contract=off (no FMA contraction) and without -ffast-math, and why
  * rounding is nearbyint (round half to even, the default rounding mode), as torch.round.

@@ -141,7 +141,7 @@ void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t
 
 /* Without int8 dot products: the codes as fp32 and fp32 multiply-adds. Each product is an integer of
  * magnitude <= 2^14 and each group's partial sum one of magnitude <= gs * 2^14 <= 2^24, so every fp32
- * operation is exact and acc equals the int32 group sum (NUMERICS.md, last section).
+ * operation is exact and acc equals the int32 group sum (docs/numerics.md, "Exact int8 products on fp32 units").
  * wt (K, Np) fp32: q_w transposed, padded with zero columns; swt (G, Np) as above. Tiles of 4 rows x 64
  * columns with literal bounds, so the compiler keeps them in vector registers. */
 #define NF 64

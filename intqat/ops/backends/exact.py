@@ -10,7 +10,7 @@ VNNI CPU (ONEDNN_MAX_CPU_ISA=AVX2 or AVX512_CORE, torch 2.13) it got 4,050 of 4,
   (CUDA has no integer matmul) `fp32_slices_mm`. ~3x an fp32 GEMM's time on the CPU (int64 widening
   included; measured 18.6 ms against 5.7 ms at 256x1024x1024, 1 thread, AMD EPYC Zen 4): it is the
   definition, so it may be slow; the fast backends are checked against it.
-- `fp32_slices_mm` (= `int_mm_via_fp32`): fp32 GEMMs of K slices <= EXACT_K, each exact (NUMERICS.md,
+- `fp32_slices_mm` (= `int_mm_via_fp32`): fp32 GEMMs of K slices <= EXACT_K, each exact (docs/numerics.md,
   "Exact int8 products on fp32 units"), their int32 results added. The fp32_exact backend's arithmetic,
   and the traceable decomposition AOTInductor packages get on CPUs without int8 dot products.
 

@@ -1,6 +1,6 @@
 """Exact int8 GEMMs on fp32 units: the backend for CPUs without int8 dot-product instructions.
 
-Why it is exact (NUMERICS.md, last section): each product of int8 codes is an integer with
+Why it is exact (docs/numerics.md, "Exact int8 products on fp32 units"): each product of int8 codes is an integer with
 |q_a q_b| <= 128 * 128 = 2^14, so a partial sum of n products is an integer of magnitude <= n 2^14.
 Every integer of magnitude <= 2^24 is an fp32 value, and adding two fp32 integers whose exact sum is
 an integer of magnitude <= 2^24 rounds to that integer. So an fp32 GEMM over a K-slice of length

@@ -1,9 +1,9 @@
-"""The plain-torch backend: the definition of every primitive (NUMERICS.md), and what tracers see.
+"""The plain-torch backend: the definition of every primitive (docs/numerics.md), and what tracers see.
 
 Every other backend must return the same bits as this one. Two forms, chosen per call:
 - the definition (eager calls: what tests/test_backends.py compares every backend with): its integer GEMMs
   are `exact.exact_int_mm`, an int64 matmul on the CPU that shares no kernel with the fast backends
-  (NUMERICS.md, "The definition does not lean on the kernels it checks"). Slower; exact on any machine.
+  (docs/numerics.md, "The definition does not lean on the kernels it checks"). Slower; exact on any machine.
 - what tracers see (torch.compile / torch.export / make_fx): the same formulas in portable aten ops, the
   integer GEMM as `aten._int_mm`, so exported programs stay small, portable and fast where they run. The
   one exception: torch.compile (not export) in a process whose torch._int_mm failed its self-check gets
