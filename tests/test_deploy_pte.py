@@ -159,10 +159,9 @@ assert "intqat" not in sys.modules
 """
 
 
-def test_pte_loads_and_runs_in_a_python_without_intqat(zoo_pte, tmp_path):
-    preset, _, result = zoo_pte
-    if preset != "8da4w":
-        pytest.skip("one preset is enough for the loader (8da4w: int4 per group + the embedding_4bit kernel)")
+@pytest.mark.parametrize("zoo_pte", ["8da4w"], indirect=True)  # one preset is enough for the loader (8da4w: int4
+def test_pte_loads_and_runs_in_a_python_without_intqat(zoo_pte, tmp_path):  # per group + the embedding_4bit kernel)
+    _, _, result = zoo_pte
     paths = result.save(tmp_path / "model.pte")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(paths)
     report = json.loads((tmp_path / "model_report.json").read_text())
