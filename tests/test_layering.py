@@ -26,22 +26,11 @@ SOURCES = ((ROOT / "intqat", "intqat"), (ROOT / "kernels", "intqat.kernels"))  #
 MAX_LINES = 700  # issue #25: small files with one purpose; ~500 lines wants a reason written at the file's top
 OP_FILES = {"intqat.ops.int_linear", "intqat.ops.int_conv2d", "intqat.ops.int_linear_grouped"}
 
-# importer -> imported: the only edges allowed to close a cycle, each with why it is still there. All four are
-# the same open item of issue #25 ("backends import nothing from the op files: pure-torch formulas such as
-# split_digits, grouped_reference and mask packing move to the reference backend"), in intqat/ops/**, which
-# another change owns. Remove an entry when its import goes: a stale entry fails test_expected_edges_exist.
-EXPECTED_CYCLE_EDGES = {
-    ("intqat.ops.backends.reference", "intqat.ops.int_linear_grouped"):
-        "ReferenceBackend.linear_grouped calls grouped_reference, which still lives in the op file",
-    ("intqat.ops.backends.reference", "intqat.ops.digit_gemm"):
-        "ReferenceBackend.digit_matmul calls split_digits / combine_digits, still in digit_gemm.py "
-        "(which selects a backend from the table: the cycle)",
-    ("intqat.ops.backends.reference", "intqat.ops.masks"):
-        "ReferenceBackend's mask packing calls pack_mask_torch / unpack_mask_torch, still in masks.py "
-        "(whose pack_mask selects a backend from the table: the cycle)",
-    ("intqat.ops.backends.triton", "intqat.ops.int_linear"):
-        "TritonBackend.linear calls weight_colsum, still in the op file",
-}
+# importer -> imported: the only edges allowed to close a cycle, each with why it is still there. The four the
+# backends had (reference / triton -> the op files, for split_digits, grouped_reference, mask packing and
+# weight_colsum) went when those formulas moved to intqat/ops/backends/formulas.py. A stale entry fails
+# test_expected_edges_exist.
+EXPECTED_CYCLE_EDGES: dict[tuple[str, str], str] = {}  # none left: each entry would need its reason
 # (b)'s exceptions: the same items, seen from the rule that backends import no op file.
 EXPECTED_BACKEND_TO_OP = {edge for edge in EXPECTED_CYCLE_EDGES if edge[1] in OP_FILES}
 
@@ -161,7 +150,7 @@ def _describe(component: list[str], graph: dict[str, dict[str, int]]) -> str:
 def test_graph_sees_function_level_imports(graph):
     """The parser sees what the checks rely on: module-level, function-level and relative imports."""
     assert "intqat.ops.backends" in graph["intqat.ops.quant"]  # module level
-    assert "intqat.ops.masks" in graph["intqat.ops.backends.reference"]  # inside a method
+    assert "intqat.ops.qparams" in graph["intqat.ops.backends.reference"]  # inside a method
     assert "intqat.callback" in graph["intqat"]  # inside intqat.__getattr__
     assert len(graph) > 80, "the module walk found too few files"
 

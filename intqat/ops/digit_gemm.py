@@ -46,12 +46,11 @@ import torch
 from torch import Tensor
 
 from intqat.ops import backends
+from intqat.ops.backends.formulas import _DIGIT, _SCALE_ALL, combine_digits, split_digits  # noqa: F401 (re-exported)
 
 __all__ = ["GRAD_GEMMS", "check_grad_gemm", "digits_pay", "split_digits", "combine_digits", "digit_matmul"]
 
 GRAD_GEMMS = ("int8x3", "fp32")
-_DIGIT = 128.0  # 2^7: the weight of one digit relative to the next
-_SCALE_ALL = 16384.0  # 2^14: d0's weight relative to d2
 
 
 def check_grad_gemm(grad_gemm: str) -> str:
@@ -70,56 +69,6 @@ def digits_pay(M: int, K: int, N: int, grad: str = "x") -> bool:
     backward: the opaque intqat::digit_matmul runs the eager kernels, so the graph decides as eager does),
     and its `slow` rule for this shape."""
     return backends.fast("digit_matmul", (M, K, N), grad)
-
-
-def split_digits(a: Tensor, col_scale: Tensor, need_rowsum: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-    """a (R, C) fp32 times col_scale ((C,) or one value) -> three int8 digit planes, torch ops.
-
-    Returns (digits int8 (3, R, C), shift int32 (R,), digit row sums int32 (3, R) or None).
-    shift[r] = t with max_c |v[r, c]| * 2^t in [63.75, 127.5), v = a * col_scale in fp32. A row with
-    a NaN or an infinity gets shift INT32_MIN and zero digits (combine_digits writes NaN there).
-    """
-    v = a.to(torch.float32) * col_scale.detach().to(torch.float32).reshape(1, -1)  # one fp32 rounding
-    amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
-    finite = torch.isfinite(amax)
-    amax = torch.where(finite, amax, 0.0)
-    # amax = f * 2^e, f in [0.5, 1). frexp of the fp32 value (the same e as of its double): inductor's
-    # vectorized frexp of doubles does not compile (torch 2.13), and a gᵀ operand vectorizes it.
-    _, e = torch.frexp(amax)
-    amax = amax.double()
-    t = 7 - e.to(torch.int32)
-    t = t - (amax * torch.exp2(t.double()) >= 127.5).to(torch.int32)
-    x = v.double() * torch.exp2(t.double()).unsqueeze(1)  # exact: a power of two
-    x = torch.where(finite.unsqueeze(1), x, 0.0)
-    d0 = torch.round(x)
-    r1 = (x - d0) * _DIGIT
-    d1 = torch.round(r1)
-    d2 = torch.round((r1 - d1) * _DIGIT)
-    digits = torch.stack([d0, d1, d2]).to(torch.int8)
-    shift = torch.where(finite, t, torch.iinfo(torch.int32).min)
-    rowsum = digits.sum(dim=2, dtype=torch.int32) if need_rowsum else None
-    return digits, shift, rowsum
-
-
-def combine_digits(acc: Tensor, shift: Tensor, rowsum: Tensor | None, z: int | Tensor,
-                   mask: Tensor | None) -> Tensor:
-    """acc int32 (3R, K), the digit planes times codes q (C, K) -> (a @ (q - z)) fp32 (R, K), torch ops.
-
-    out[r, k] = float32(2^-(t + 14) * sum_j 2^(14 - 7j) * (acc_j[r, k] - z * rowsum_j[r])), exact
-    until the one rounding to fp32; NaN on rows the split flagged; where(mask, out, 0) if a mask is given.
-    """
-    R, K = acc.shape[0] // 3, acc.shape[1]
-    planes = acc.reshape(3, R, K).double()
-    if rowsum is not None and isinstance(z, Tensor):  # traced (compile): z is data, not a constant
-        planes = planes - z.reshape(()).double() * rowsum.double().unsqueeze(2)
-    elif rowsum is not None and z:
-        planes = planes - float(z) * rowsum.double().unsqueeze(2)
-    total = planes[0] * _SCALE_ALL + planes[1] * _DIGIT + planes[2]
-    bad = shift == torch.iinfo(torch.int32).min
-    p = torch.exp2(-(torch.where(bad, 0, shift).double() + 14.0))
-    out = (total * p.unsqueeze(1)).to(torch.float32)
-    out = torch.where(bad.unsqueeze(1), float("nan"), out)
-    return out if mask is None else torch.where(mask, out, 0.0)
 
 
 def digit_matmul(a: Tensor, col_scale: Tensor, q: Tensor, z: int | Tensor, mask: Tensor | None = None) -> Tensor:

@@ -40,6 +40,7 @@ from intqat.ops.lsq import activation_lsq_grads, lsq_grad_factor, weight_scale_g
 from intqat.ops.op_outline import IntegerOp
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange
+from intqat.ops.backends.formulas import weight_colsum  # noqa: F401 (re-exported)
 
 __all__ = [
     "int_linear",
@@ -131,18 +132,6 @@ def quantize_weight(
     q_w, mask, colsum = b.quantize_rows(w, s, 0.0, qmin, qmax, per_row=True, need_mask=need_mask,
                                         need_rowsum=need_colsum)
     return q_w, mask, colsum, s
-
-
-def weight_colsum(q_w: Tensor) -> Tensor:
-    """colsum_k(q_w) (N,) int32 for q_w (N, K) int8.
-
-    Summed in float32: every partial sum is an integer below 128 * K <= 2^24 while K <= 131072
-    (int_mm's own int32 bound), so it is exact, and 4x faster than an int32 sum here (that one
-    widens the whole matrix to int32 first).
-    """
-    if q_w.shape[-1] <= 131072:
-        return q_w.to(torch.float32).sum(dim=1).to(torch.int32)
-    return q_w.sum(dim=1, dtype=torch.int32)
 
 
 def integer_epilogue(

@@ -40,6 +40,7 @@ from torch import Tensor
 from intqat.ops import backends
 from intqat.ops.digit_gemm import digit_matmul, digits_pay
 from intqat.ops.backends.reference import Reference
+from intqat.ops.backends.formulas import group_sums, grouped_reference  # noqa: F401 (re-exported)
 from intqat.ops.int_linear import quantize_activation, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.lsq import activation_lsq_grads, weight_scale_grad
 from intqat.ops.op_outline import IntegerOp
@@ -124,45 +125,6 @@ def dequantize_weight_grouped(q_w: Tensor, s_w: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # Forward: the reference (aten, portable) and the C kernel (same bits)
 # ---------------------------------------------------------------------------------------------
-
-
-def group_sums(q_x: Tensor, q_w: Tensor, G: int, z_x: Tensor | None) -> Tensor:
-    """acc (G, M, N) fp32 holding the exact int32 group sums of (q_x - z_x) * q_w.
-
-    Traced (what exported programs hold): one batched fp32 GEMM of the codes: every partial sum is an
-    integer of magnitude <= gs * 2^14 <= 2^24, so any summation order gives the exact value. Eager on the
-    CPU (the definition the kernels are tested against): one batched int64 GEMM, aten's own integer loop,
-    sharing no kernel with them (docs/numerics.md, "The definition does not lean on the kernels it checks").
-    The same integers either way. The zero-point correction z_x * colsum_g(q_w) is applied in int32 (the
-    difference may exceed 2^24).
-    """
-    M, K = q_x.shape
-    N = q_w.shape[0]
-    gs = K // G
-    exact = torch.int64 if q_x.is_cpu and not backends.tracing(q_x, q_w, z_x) else torch.float32
-    xg = q_x.to(exact).reshape(M, G, gs).transpose(0, 1)  # (G, M, gs)
-    wg = q_w.to(exact).reshape(N, G, gs).permute(1, 2, 0)  # (G, gs, N)
-    acc = torch.bmm(xg, wg)
-    if z_x is None:
-        return acc if exact is torch.float32 else acc.to(torch.float32)
-    colsum = q_w.to(torch.float32).reshape(N, G, gs).sum(dim=2).to(torch.int32).t()  # (G, N), exact
-    acc = acc.to(torch.int32) - z_x.to(torch.int32).reshape(()) * colsum.unsqueeze(1)
-    return acc.to(torch.float32)
-
-
-def grouped_reference(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,
-                      bias: Tensor | None) -> Tensor:
-    """The definition, in aten ops (what torch.export records): y (M, N) fp32.
-
-    p_g = float32(acc_g) * s_w[:, g]; t = p_0 + p_1 + ... + p_{G-1} left to right; y = t * s_x + b.
-    """
-    G = s_w.shape[1]
-    p = group_sums(q_x, q_w, G, z_x) * s_w.t().unsqueeze(1)  # (G, M, N)
-    t = p[0]
-    for g in range(1, G):  # G - 1 adds in increasing g: the order is part of the result
-        t = t + p[g]
-    y = t * s_x.reshape(-1, 1)
-    return y + bias.to(torch.float32) if bias is not None else y
 
 
 def grouped_integer_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z_x: Tensor | None, s_x: Tensor,

@@ -18,6 +18,8 @@ from torch import Tensor
 
 from intqat.ops.backends import self_check
 from intqat.ops.backends.base import Backend, tracing
+from intqat.ops.backends.formulas import (combine_digits, grouped_reference, pack_mask_torch, split_digits,
+                                          unpack_mask_torch)
 from intqat.ops.backends.exact import MAX_K_INT32, exact_int_mm, fp32_slices_mm, to_int32
 
 __all__ = ["Reference", "MAX_K_INT32", "dense_layout", "is_dense", "split_k", "traced_int_mm"]
@@ -130,8 +132,6 @@ class Reference(Backend):
     def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
         """The per-group integer linear (int_linear_grouped.py's formulas): one exact fp32 batched GEMM of
         the codes, the groups added in increasing order."""
-        from intqat.ops.int_linear_grouped import grouped_reference
-
         return grouped_reference(q_x, q_w, s_w, z_x, s_x, bias)
 
     def epilogue(self, acc, z_x, colsum, s_x, s_w, bias):
@@ -148,7 +148,6 @@ class Reference(Backend):
 
         Its edges: an empty product is zeros; a contraction past MAX_K_INT32 (whose int32 digit sums could
         overflow) is the plain fp32 GEMM."""
-        from intqat.ops.digit_gemm import combine_digits, split_digits
 
         R, C = a.shape
         K = q.shape[1]
@@ -213,7 +212,6 @@ class Reference(Backend):
 
     def mask_zero_packed_(self, g, packed):
         """where(unpack_mask(packed, g.shape), g, 0): the mask from its bits (masks.py), a new tensor."""
-        from intqat.ops.masks import unpack_mask_torch
 
         return torch.where(unpack_mask_torch(packed, g.shape), g, 0.0)
 
@@ -223,11 +221,9 @@ class Reference(Backend):
         return float(lo), float(hi)
 
     def pack_mask(self, mask):
-        from intqat.ops.masks import pack_mask_torch
 
         return pack_mask_torch(mask)
 
     def unpack_mask(self, packed, shape):
-        from intqat.ops.masks import unpack_mask_torch
 
         return unpack_mask_torch(packed, shape)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from intqat.ops.backends.base import Backend
+from intqat.ops.backends.formulas import weight_colsum
 from intqat.ops.backends.reference import MAX_K_INT32, split_k
 
 __all__ = ["Triton"]
@@ -50,8 +51,6 @@ class Triton(Backend):
         return self._kernels().int_mm(a, b)
 
     def linear(self, q_x, q_w, z_x, colsum, s_x, s_w, bias):
-        from intqat.ops.int_linear import weight_colsum
-
         if z_x is None:  # symmetric activations; the kernel takes a zero point and colsum regardless
             z_x = torch.zeros(1, dtype=torch.int32, device=q_x.device)
         if colsum is None:
