@@ -6,8 +6,9 @@
     intqat-bench all --json out.json both, and the raw numbers (every repeat) as JSON
     intqat-bench ops --quick         a seconds-long smoke run on small shapes (numbers not meaningful)
     intqat-bench export              exported mixed-precision program vs fp32 eager (digits MLP)
-    intqat-bench deploy              int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte: latency at batch 1 and 32,
-                                     size, agreement (digits MLP, a BERT-tiny-like encoder; needs intqat[deploy])
+    intqat-bench deploy              int8 .pte (ExecuTorch, XNNPACK) and ONNX (Q/DQ, integer ops; onnxruntime)
+                                     vs their fp32 twins: latency at batch 1 and 32, size, agreement
+                                     (digits MLP, a BERT-tiny-like encoder; needs intqat[deploy])
     intqat-bench compile             torch.compile vs eager train step of the integer MLP and CNN
     intqat-bench modules --models resnet,mbconv,convnext,encoder,llama   the real-model blocks (issue 27; 'all': every model)
     intqat-bench profile             torch.profiler top ops of int_linear forward+backward
@@ -42,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_ in (("ops", "int_mm and linear forward+backward"), ("modules", "MLP and CNN train steps"),
                         ("export", "exported mixed-precision program vs fp32 eager vs integer eval"),
                         ("compile", "torch.compile vs eager train step of the integer models"),
-                        ("deploy", "int8 .pte vs fp32 .pte (ExecuTorch, XNNPACK): latency, size, agreement"),
+                        ("deploy", "int8 .pte (XNNPACK) and ONNX vs fp32 files: latency, size, agreement"),
                         ("all", "ops, modules, export, compile"), ("profile", "top ops of int_linear forward+backward")):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("--quick", action="store_true", help="small shapes, 2 repeats: a smoke run (numbers not meaningful)")
