@@ -294,3 +294,24 @@ def test_digits_through_torch_int_mm_give_the_same_bits(case, monkeypatch):
         assert amx[5][("digit_matmul", "amx")] == 2
         for name, a, bb in zip(("grad_x", "grad_w"), got[2:4], amx[2:4]):
             _same_bits(a, bb, name)
+
+
+def test_compiled_backward_gives_the_eager_bits(monkeypatch):
+    """Traced (torch.compile): the Python path's digit GEMMs as the opaque intqat::digit_matmul, the fold as strided
+    adds in the same order; the same bits as the eager C++ step."""
+    _rule(monkeypatch, True)
+    x, w, b, s_w, _ = _operands(2, 8, 16, 10, 10, 3, "nchw")
+
+    def conv(x, w, b):
+        return int_conv2d(x, w, b, torch.tensor([S_X]), torch.tensor([float(Z_X)]), s_w, stride=1, padding=1)
+
+    g = torch.randn(2, 16, 10, 10, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for fn in (conv, torch.compile(conv, backend="aot_eager", fullgraph=True)):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        with backends.recording() as ran:
+            fn(*leaves).backward(g)
+        assert sum(c for (p, _), c in ran.items() if p == "digit_matmul") == 2
+        grads.append([t.grad for t in leaves])
+    for name, a, bb in zip(("grad_x", "grad_w", "grad_b"), *grads):
+        _same_bits(a, bb, name)
