@@ -18,10 +18,6 @@ from intqat.deploy.onnx_runtime import floor_model, onnx_latency, ort_graph, run
 from test_deploy_onnx import QDQ_MAX_STEPS  # noqa: E402
 from test_deploy_onnx_int import integer  # noqa: E402
 
-# a code may still move by one where QuantizeLinear's x / s and intqat's x * fp32(1/s) round apart (a tie): far less
-# than the bias rounded to int32 that this form avoids
-MLP_MAX_STEPS = 0.01
-
 
 def _mlp(preset: str) -> tuple[nn.Module, torch.Tensor]:
     """The digits MLP's shape (64 -> 128 -> 128 -> 10, ReLU), calibrated on random inputs in [0, 1]."""
@@ -39,39 +35,35 @@ def mlp_qdq():
 
 def test_static_mlp_every_linear_runs_as_qgemm(mlp_qdq):
     g = mlp_qdq.info["onnxruntime_graph"]
-    # three QGemm with a float output, each then its bias Add and (hidden layers) the next layer's QuantizeLinear with
-    # the ReLU folded into it; nothing float, no DequantizeLinear left
+    # one QuantizeLinear (the input), three QGemm (the ReLUs folded into the next layer's quantize), nothing float
     assert g["integer_kernels"] == {"QGemm": 3} and g["float_gemms"] == {}, g["ops"]
-    assert (g["quantize_linear"], g["dequantize_linear"], g["ops"].get("Add")) == (3, 0, 3), g["ops"]
+    assert (g["quantize_linear"], g["dequantize_linear"]) == (1, 0), g["ops"]
     assert g["session_options"]["graph_optimization_level"] == "ORT_ENABLE_ALL"
     v = mlp_qdq.validation
-    # every GEMM computes float(acc) * (s_x s_w) + b as intqat does (measured 0 steps here; onnxruntime's own QGemm
-    # with an int32 bias and its requantization: ~0.1 on the digits MLP)
-    assert v["top1_agreement"] == 1.0 and v["max_diff_in_steps"] <= MLP_MAX_STEPS, v
+    assert v["top1_agreement"] == 1.0 and v["max_diff_in_steps"] <= QDQ_MAX_STEPS, v
     md = mlp_qdq.to_markdown()
     assert "What onnxruntime runs" in md and "3 QGemm" in md and "intra_op_num_threads=1" in md
 
 
-def test_every_gemm_keeps_its_float_bias_in_an_add(mlp_qdq):
-    """Gemm(DQ(x), DQ(w)) without its bias (onnxruntime's QGemm selector wants every input from a DequantizeLinear),
-    then Add of the fp32 bias (what TensorRT reads as a bias)."""
+def test_the_head_gemm_keeps_its_float_bias_in_an_add(mlp_qdq):
+    """The head's output is not requantized: its Gemm has no bias (so onnxruntime's QGemm selector, which wants every
+    Gemm input from a DequantizeLinear, takes it) and the fp32 bias follows in an Add (what TensorRT reads)."""
     graph = onnx.load_from_string(mlp_qdq.data).graph
     inits = {t.name: t for t in graph.initializer}
     gemms = [n for n in graph.node if n.op_type == "Gemm"]
-    assert [len([i for i in n.input if i]) for n in gemms] == [2, 2, 2]
-    for gemm, n in zip(gemms, (128, 128, 10)):
-        add = next(a for a in graph.node if a.op_type == "Add" and gemm.output[0] in a.input)
-        bias = inits[next(i for i in add.input if i in inits)]
-        assert bias.data_type == onnx.TensorProto.FLOAT and list(bias.dims) == [n]
+    assert [len([i for i in n.input if i]) for n in gemms] == [3, 3, 2]  # the hidden layers keep theirs: requantized
+    add = next(n for n in graph.node if n.op_type == "Add" and gemms[-1].output[0] in n.input)
+    bias = inits[next(i for i in add.input if i in inits)]
+    assert bias.data_type == onnx.TensorProto.FLOAT and list(bias.dims) == [10]
     assert add.output[0] == graph.output[0].name
 
 
 def test_without_the_bias_split_the_head_stays_a_float_gemm(monkeypatch):
-    """The checks above can fail: the file as torch.onnx writes it leaves the head to a float Gemm on its weight
-    dequantized at every call, and the hidden layers to onnxruntime's own bias rounding (onnxruntime 1.32)."""
+    """The check above can fail: the file as torch.onnx writes it leaves the head to a float Gemm on its weight
+    dequantized at every call (onnxruntime 1.32)."""
     import intqat.deploy.onnx_qdq as onnx_qdq
 
-    monkeypatch.setattr(onnx_qdq, "split_gemm_bias", lambda model: 0)
+    monkeypatch.setattr(onnx_qdq, "split_unrequantized_bias", lambda model: 0)
     model, x = _mlp("w8a8")
     g = export_onnx(model, x[:2], None, form="qdq").info["onnxruntime_graph"]
     assert g["integer_kernels"] == {"QGemm": 2} and g["float_gemms"] == {"Gemm": 1} and g["dequantize_linear"] == 2

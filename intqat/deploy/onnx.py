@@ -155,7 +155,7 @@ def export_onnx(
     from intqat._version import __version__
     from intqat.convert import float_census
     from intqat.deploy.executorch import _args, _inputs_of
-    from intqat.deploy.onnx_qdq import split_gemm_bias, store_int4_weights
+    from intqat.deploy.onnx_qdq import split_unrequantized_bias, store_int4_weights
     from intqat.deploy.qdq import _integer_copy
 
     if form not in FORMS:
@@ -200,7 +200,7 @@ def export_onnx(
         onnx_model = _to_onnx(_program(module, args, max_batch, autocast, calibration), args, opset, table)
         if form == "qdq":
             store_int4_weights(onnx_model)
-            split_gemm_bias(onnx_model)
+            split_unrequantized_bias(onnx_model)
         ops = layer_ops(onnx_model, integer)
         _strip(onnx_model)
         data = _serialize(onnx_model)

@@ -22,19 +22,17 @@ What each op of the Q/DQ program becomes (opset 21):
                                                would be asymmetric uint8 per tensor, another scheme.)
 
 Shaped for onnxruntime's Q/DQ fusion (its QDQ selectors, onnxruntime 1.32), without leaving the standard ops:
-  every Gemm of an integer layer is Gemm(DQ(x), DQ(w)) without its bias, then Add(b) in fp32. onnxruntime's QGemm
-  selector needs every input of the Gemm from a DequantizeLinear, so then:
-  - a Gemm whose output is not requantized (a head) fuses at all: with its float bias it stayed a float Gemm on its
-    weight dequantized at every call (onnxruntime quantizes a float bias to int32 itself only when a QuantizeLinear
-    follows the Gemm);
-  - every Gemm becomes QGemm with a float output, float(acc) * (s_x s_w), then the Add: intqat's epilogue, where
-    onnxruntime's own form of a requantized layer rounds b to the grid s_x s_w and requantizes inside QGemm (digits
-    MLP: 0.098 output steps from the integer model; with the Add: 0, bit for bit), and is the slower kernel at one
-    row (its uint8 output: ~1.9 us above the call's floor at 1 x 128 x 128, the float one ~1.1 us, AMX Xeon).
-  The file keeps b in fp32, as TensorRT's explicit quantization reads a bias. (MatMul + Add, the exporter's form of a
-  3-D linear, fuses as it is: into MatMulIntegerToFloat with the bias. A MatMul + Add in place of a Gemm does not
-  help: onnxruntime folds it back into a Gemm with its float bias before the Q/DQ fusion. Conv is left as it is: its
-  QLinearConv needs the QuantizeLinear right after it.)
+  a Gemm whose output is not requantized (a head, an output projection): Gemm(DQ(x), DQ(w)) without its bias, then
+  Add(b). onnxruntime's QGemm selector needs every input of the Gemm from a DequantizeLinear; it quantizes a float
+  bias to int32 itself only when a QuantizeLinear follows the Gemm, so a head with its float bias stayed a float Gemm
+  on weights dequantized at every call. Without the bias it becomes QGemm with a float output (float(acc) * s_x s_w,
+  intqat's epilogue), then the float Add: the same value as the integer layer (the encoder's output equal bit for
+  bit); the file keeps b in fp32, as TensorRT's explicit quantization reads a bias. (A MatMul + Add is no help:
+  onnxruntime folds it back into a Gemm with its float bias before the Q/DQ fusion.)
+  A requantized Gemm keeps its bias: onnxruntime rounds b to int32 on the grid s_x s_w and requantizes inside QGemm
+  (uint8 output), its own arithmetic (digits MLP: 0.098 output steps from the integer model). Splitting its bias too
+  (QGemm with a float output, the Add, the next QuantizeLinear) was measured: the digits MLP bit for bit (0 steps),
+  the same time at batch 1, 13% slower at batch 32 (three more nodes; AMX Xeon, onnxruntime 1.32): not taken.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["qdq_translations", "store_int4_weights", "split_gemm_bias"]
+__all__ = ["qdq_translations", "store_int4_weights", "split_unrequantized_bias"]
 
 _INT4 = 22  # onnx.TensorProto.INT4
 _INT8 = 3  # onnx.TensorProto.INT8
@@ -182,6 +180,21 @@ def store_int4_weights(model) -> int:
     return folded
 
 
+def _requantized(value) -> bool:
+    """Whether value reaches a QuantizeLinear alone, through Relu / Clip at most (onnxruntime's selectors fold those
+    into the Q): then onnxruntime fuses the Gemm with its bias into QGemm itself."""
+    while True:
+        uses = list(value.uses())
+        if len(uses) != 1 or value.is_graph_output():
+            return False
+        node = uses[0][0]
+        if node.op_type == "QuantizeLinear":
+            return True
+        if node.op_type not in ("Relu", "Clip"):
+            return False
+        value = node.outputs[0]
+
+
 def _plain_dq(value) -> bool:
     """value comes from a per-tensor / per-channel DequantizeLinear (no block_size: what QGemm takes)."""
     node = value.producer() if value is not None else None
@@ -191,9 +204,9 @@ def _plain_dq(value) -> bool:
     return block is None or block.as_int() == 0
 
 
-def split_gemm_bias(model) -> int:
-    """Gemm(DQ(x), DQ(w), b) -> Gemm(DQ(x), DQ(w)) then Add(b), in an onnx_ir model, in place (module docstring);
-    -> how many."""
+def split_unrequantized_bias(model) -> int:
+    """Gemm(DQ(x), DQ(w), b) whose output is not requantized -> Gemm(DQ(x), DQ(w)) then Add(b), in an onnx_ir model,
+    in place (module docstring); -> how many."""
     from onnxscript import ir
 
     graph, split = model.graph, 0
@@ -202,7 +215,7 @@ def split_gemm_bias(model) -> int:
             continue
         x, w, b = node.inputs[:3]
         beta = node.attributes.get("beta")
-        if b is None or beta is not None and beta.as_float() != 1.0:
+        if b is None or beta is not None and beta.as_float() != 1.0 or _requantized(node.outputs[0]):
             continue
         if not all(_plain_dq(v) for v in (x, w)):  # (a blocked DQ: per-token or per-group, no QGemm to become)
             continue
