@@ -73,7 +73,8 @@ def test_static_encoder_every_linear_fuses():
     """A transformer block (intqat.bench.blocks' encoder, small) under w8a8: its five integer linears (qkv, out_proj,
     FFN x2, head) all become onnxruntime integer kernels; the only float GEMMs left are attention's own two products
     (float in the model too); no DequantizeLinear is left. Close to the integer model: measured 0 steps here (the
-    fused kernels compute float(acc) * (s_x s_w) + b, intqat's epilogue); LayerNorm / softmax / GELU are onnxruntime's."""
+    fused kernels compute float(acc) * (s_x s_w) + b, intqat's epilogue); LayerNorm / softmax / GELU are
+    onnxruntime's."""
     from intqat.bench.blocks import make_encoder
 
     torch.manual_seed(0)
@@ -85,7 +86,8 @@ def test_static_encoder_every_linear_fuses():
     assert sum(fused["integer_kernels"].values()) == 5, fused["ops"]
     assert set(fused["float_gemms"]) <= {"MatMul", "FusedMatMul"} and sum(fused["float_gemms"].values()) == 2, fused
     assert fused["dequantize_linear"] == 0, fused["ops"]
-    assert result.validation["top1_agreement"] == 1.0 and result.validation["max_diff_in_steps"] <= 1e-3, result.validation
+    v = result.validation
+    assert v["top1_agreement"] == 1.0 and v["max_diff_in_steps"] <= 1e-3, v
 
 
 def test_dynamic_codes_in_the_file_equal_the_integer_models():

@@ -261,8 +261,9 @@ def _latency(data: bytes, float_data: bytes, args: tuple, batches: Sequence[int]
                  for b, t in times.items()}
     return {"per_batch": per_batch, "cpu": cpu_name(), "session_options": dict(SESSION_OPTIONS),
             "load": _load(),
-            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls (the file, the fp32 file and "
-                      "an Identity floor on the same inputs), onnxruntime session options "
+            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls (the file, the fp32 file "
+                      "and an Identity floor on the same inputs, the order rotated each round), onnxruntime session "
+                      "options "
                       f"{', '.join(f'{k}={v}' for k, v in SESSION_OPTIONS.items())}, in a Python that never imported "
                       "intqat"}
 

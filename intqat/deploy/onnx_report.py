@@ -79,10 +79,11 @@ class OnnxResult:
         g = self.info.get("onnxruntime_graph")
         if g:
             out.append(f"onnxruntime ran {_counts(g['integer_kernels']) or 'no integer kernel'}; float GEMM-class ops "
-                       f"{_counts(g['float_gemms']) or 'none'}; Q/DQ left {g['quantize_linear']}/{g['dequantize_linear']}")
+                       f"{_counts(g['float_gemms']) or 'none'}; Q / DQ left "
+                       f"{g['quantize_linear']} / {g['dequantize_linear']}")
         if self.size:
-            lat = ", ".join(f"batch {b}: {t['ratio']:.3f}x" + (f" (floor {1e3 * t['floor_ms']:.1f} us)" if "floor_ms" in t
-                                                               else "")
+            lat = ", ".join(f"batch {b}: {t['ratio']:.3f}x" + (f" (floor {1e3 * t['floor_ms']:.1f} us)"
+                                                               if "floor_ms" in t else "")
                             for b, t in self.latency.get("per_batch", {}).items())
             out.append(f"vs fp32 ONNX size {self.size['ratio']:.3f}x" + (f"; latency {lat}" if lat else ""))
         out += self.info.get("notes", [])

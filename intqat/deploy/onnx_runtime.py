@@ -73,7 +73,8 @@ def ort_graph(model: bytes | str | os.PathLike) -> dict[str, Any]:
         ort.InferenceSession(source, _options(1, path), providers=["CPUExecutionProvider"])
         ops = collections.Counter(n.op_type for n in onnx.load(path, load_external_data=False).graph.node)
     pick = lambda names: {k: ops[k] for k in names if ops.get(k)}  # noqa: E731
-    return {"ops": dict(sorted(ops.items())), "integer_kernels": pick(INTEGER_KERNELS), "float_gemms": pick(FLOAT_GEMMS),
+    return {"ops": dict(sorted(ops.items())), "integer_kernels": pick(INTEGER_KERNELS),
+            "float_gemms": pick(FLOAT_GEMMS),
             "quantize_linear": ops.get("QuantizeLinear", 0), "dequantize_linear": ops.get("DequantizeLinear", 0),
             "session_options": dict(SESSION_OPTIONS)}
 
@@ -181,10 +182,12 @@ for batch, path in spec["inputs"].items():
     for _ in range(spec["warmup"]):
         for name, s in sessions.items():
             s.run(None, feeds[name])
-    for _ in range(spec["repeats"]):
-        for name, s in sessions.items():
+    names = list(sessions)
+    for r in range(spec["repeats"]):
+        # the order rotates each round: a call's time depends on what ran just before it (the caches it left)
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.process_time()
-            s.run(None, feeds[name])
+            sessions[name].run(None, feeds[name])
             times[name].append((time.process_time() - t0) * 1e3)
     result[batch] = {name: statistics.median(t) for name, t in times.items()}
 assert not any(m == "intqat" or m.startswith("intqat.") for m in sys.modules)
@@ -195,9 +198,10 @@ print(json.dumps(result))
 def onnx_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
                  warmup: int = 5, floor: bool = True) -> dict[int, dict[str, float]]:
     """Median CPU ms per call of each ONNX file (name -> path) for each batch's inputs: one call of each per round
-    (interleaved), time.process_time (this process only: on a shared machine the ratio holds), SESSION_OPTIONS (one
-    onnxruntime thread), in a fresh Python that never imports intqat. floor: also the floor_model of the inputs,
-    interleaved with the files, under the name "floor" (onnxruntime's fixed cost per call)."""
+    (interleaved, the order rotated each round), time.process_time (this process only: on a shared machine the
+    ratio holds), SESSION_OPTIONS (one onnxruntime thread), in a fresh Python that never imports intqat. floor: also
+    the floor_model of the inputs, interleaved with the files, under the name "floor" (onnxruntime's fixed cost per
+    call)."""
     import numpy as np
 
     if floor and "floor" in files:
