@@ -21,6 +21,7 @@ from torch import nn
 
 import intqat
 from intqat.ops import backends, cpp_step
+from intqat.ops.backends.formulas import CONV_DIGITS_X_MIN_OUT_CHANNELS
 from intqat.ops.digit_gemm import digits_pay
 from intqat.ops.int_conv2d import conv_backward_gemms, int_conv2d
 
@@ -31,8 +32,10 @@ def _rule(monkeypatch, on: bool) -> None:
     """Make the digit GEMM's rule say `on` for every shape, on whichever backend runs it (amx, cpu_fused)."""
     import intqat.ops.backends.amx as amx
     import intqat.ops.backends.cpu_fused as cpu_fused
+    import intqat.ops.backends.formulas as formulas
 
     big = 2**62
+    monkeypatch.setattr(formulas, "CONV_DIGITS_X_MIN_OUT_CHANNELS", 0 if on else big)
     monkeypatch.setattr(cpu_fused, "DIGITS_MIN_MACS", 0 if on else big)
     monkeypatch.setattr(cpu_fused, "cpu_has_int8_dot", lambda: True)  # (CPUs without: torch._int_mm, exact, slow)
     monkeypatch.setattr(cpu_fused, "int8_gemm_outpaces_fp32_8x", lambda: on)
@@ -113,6 +116,29 @@ def test_cpp_step_and_python_path_give_the_same_bits(case, digits):
         n = sum(c for (p, _), c in ran.items() if p == "digit_matmul")
         assert n == (2 if digits else 0), dict(ran)
     assert (got[2] == 0).any() and (got[3] == 0).any()  # clip masks active on x and W
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=IDS[:2])
+def test_grad_w_on_digits_with_grad_x_below_the_channel_floor(case, monkeypatch):
+    """A conv with fewer output channels than CONV_DIGITS_X_MIN_OUT_CHANNELS: grad_w takes digits, grad_x fp32's
+    convolution_backward, in both paths, with the same bits (the mixed plan ResNet's 64 -> 64 convs take)."""
+    import intqat.ops.backends.formulas as formulas
+
+    _rule(monkeypatch, True)
+    b = backends.select("digit_matmul", record=False, at_run_time=True)
+    if b is None or b.name not in ("amx", "cpu_fused"):
+        pytest.skip(f"no digit GEMM kernel runs here (the table picks {b and b.name})")
+    monkeypatch.setattr(formulas, "CONV_DIGITS_X_MIN_OUT_CHANNELS", case[2] + 1)
+    B, C, O, H, W, k, _, _, _, layout = case
+    x, w, b, s_w, _ = _operands(B, C, O, H, W, k, layout)
+    got = _step(False, x, w, b, s_w, 1, **_conv_kw(case))
+    want = _step(True, x, w, b, s_w, 1, **_conv_kw(case))
+    for name, a, bb in zip(("y", "grad_x", "grad_w", "grad_b"), got[1:5], want[1:5]):
+        _same_bits(a, bb, name)
+    for ran in (got[5], want[5]):
+        assert sum(c for (p, _), c in ran.items() if p == "digit_matmul") == 1, dict(ran)
+    how = conv_backward_gemms((B, C, H, W), (O, C, k, k), **_conv_kw(case))
+    assert how["grad_w"] == "digits" and "CONV_DIGITS_X_MIN_OUT_CHANNELS" in how["grad_x"], how
 
 
 def _exact_ste(x, w, s_w, g, stride, padding, dilation, masked=True):
@@ -248,7 +274,9 @@ def test_which_layers_take_digits_is_named_per_layer():
         shape = (xs[0] * Ho * Ho, xs[1] * ws[2] * ws[3], ws[0])
         for grad in ("x", "w"):
             verdict = how[f"grad_{grad}"]
-            if digits_pay(*shape, grad=grad):
+            if grad == "x" and ws[0] < CONV_DIGITS_X_MIN_OUT_CHANNELS:  # short contraction: fp32 on every class
+                assert "CONV_DIGITS_X_MIN_OUT_CHANNELS" in verdict, verdict
+            elif digits_pay(*shape, grad=grad):
                 assert verdict == "digits"
             else:  # named, with the rule's reason and the GEMM's shape
                 assert verdict.startswith("fp32 convolution_backward: ") and str(shape) in verdict, verdict

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from intqat.ops import backends, cpp_step
 from intqat.ops.backends.reference import Reference
+from intqat.ops.backends.formulas import conv_grad_x_digits_may_pay
 from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.int_mm import int_mm
@@ -272,10 +273,12 @@ def _save(ctx, tensors, spec: ConvSpec, output):
 
 def _digits_chosen(grad_gemm: str, groups: int, gemm_shape: tuple) -> tuple[bool, bool]:
     """(grad_x, grad_w as digit GEMMs?) for a conv whose im2col GEMM is gemm_shape = (B*Ho*Wo, C*kh*kw, O): the linear
-    layers' rule (`digits_pay`, per GEMM) on that shape; never for grouped / depthwise convs or grad_gemm "fp32"."""
+    layers' rule (`digits_pay`, per GEMM) on that shape, grad_x only from CONV_DIGITS_X_MIN_OUT_CHANNELS output
+    channels (formulas.conv_grad_x_digits_may_pay); never for grouped / depthwise convs or grad_gemm "fp32"."""
     if grad_gemm != "int8x3" or groups != 1:
         return False, False
-    return digits_pay(*gemm_shape, grad="x"), digits_pay(*gemm_shape, grad="w")
+    digits_x = conv_grad_x_digits_may_pay(gemm_shape) is None and digits_pay(*gemm_shape, grad="x")
+    return digits_x, digits_pay(*gemm_shape, grad="w")
 
 
 def conv_backward_gemms(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups: int = 1,
@@ -298,6 +301,8 @@ def conv_backward_gemms(x_shape, weight_shape, stride=1, padding=0, dilation=1, 
             why = f"grad_gemm={grad_gemm!r}"
         elif groups != 1:
             why = f"a grouped conv (groups={groups}): only groups == 1 has the im2col digit form"
+        elif grad == "x" and conv_grad_x_digits_may_pay(shape) is not None:
+            why = conv_grad_x_digits_may_pay(shape)
         else:
             b = backends.select("digit_matmul", record=False, at_run_time=True)
             why = ("no backend runs the digit GEMM here" if b is None else

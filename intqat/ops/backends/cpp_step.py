@@ -34,6 +34,7 @@ from intqat.ops import cpp_step as ops
 from intqat.ops import cpu_kernels
 from intqat.ops.backends.base import Backend, plain_cpu
 from intqat.ops.backends.exact import MAX_K_INT32
+from intqat.ops.backends.formulas import conv_grad_x_digits_may_pay
 
 __all__ = ["CppStep"]
 
@@ -183,7 +184,8 @@ class CppStep(Backend):
         `_digits_chosen` (the linear layers' rule on the im2col GEMM's shape), or why the op may not run them."""
         if spec.grad_gemm != "int8x3" or spec.gemm_shape is None:
             return False, False, None
-        digits_x = self.table.fast("digit_matmul", spec.gemm_shape, "x")
+        digits_x = conv_grad_x_digits_may_pay(spec.gemm_shape) is None and \
+            self.table.fast("digit_matmul", spec.gemm_shape, "x")
         digits_w = self.table.fast("digit_matmul", spec.gemm_shape, "w")
         if not (digits_x or digits_w):
             return False, False, None
