@@ -15,7 +15,8 @@ every layer float (its dequantized weights). Latency: median CPU time (time.proc
 thread (XNNPACK / onnxruntime), in a fresh Python that never imports intqat (the files as a deployer loads them).
 The .pte rows also give the floor (a .pte of the same input returning it + 1, timed interleaved with both files:
 the per-call cost no model avoids), the ratio above it ((int8 - floor) / (fp32 - floor): the models' own time),
-and the same three files timed in ExecuTorch's C++ runtime (intqat.deploy.pte_latency). The .pte verdict judges
+and the same three files timed in ExecuTorch's C++ runtime (intqat.deploy.pte_latency). The ONNX rows give
+onnxruntime's floor the same way (an Identity file on the same inputs, intqat.deploy.onnx_runtime.floor_model). The .pte verdict judges
 the C++ runner's raw ratio (the runtime as a deployer's process calls it) and prints the others beside it.
 
 Targets (issue 23), at batch 1: int8 .pte latency <= 0.6x the fp32 .pte and size <= 0.3x for the digits MLP and
@@ -98,7 +99,7 @@ def _row(table: Table, name: str, fmt: str, result, batch: int, first: bool) -> 
         (result.size["bytes"], result.size["fp32_bytes"])
     exact = fmt != "pte" and v.get("bit_exact")
     cpp = t.get("cpp") if fmt == "pte" else None
-    floor = [fmt_num(t["floor_ms"]), _ratio(t["ratio_above_floor"])] if fmt == "pte" else ["-", "-"]
+    floor = [fmt_num(t["floor_ms"]), _ratio(t["ratio_above_floor"])] if "floor_ms" in t else ["-", "-"]
     floor += [fmt_num(cpp["fp32_ms"]), fmt_num(cpp["int8_ms"]), fmt_ratio(cpp["ratio"]), fmt_num(cpp["floor_ms"]),
               _ratio(cpp["ratio_above_floor"])] if cpp else ["-"] * 5
     cells = [name if first else "", FORMATS[fmt], str(batch), fmt_num(fp32_ms), fmt_num(ms), fmt_ratio(ms / fp32_ms),
@@ -110,8 +111,10 @@ def _row(table: Table, name: str, fmt: str, result, batch: int, first: bool) -> 
            "size_ratio": size / fp32_size, "top1_agreement": v["top1_agreement"],
            "max_diff_in_steps": v["max_diff_in_steps"], "bit_exact": bool(exact), "samples": v["samples"],
            "census": [c.to_dict() for c in result.census]}
-    if fmt == "pte":  # the floor and the C++ runner (intqat.deploy.pte_latency)
-        row.update(floor_ms=t["floor_ms"], latency_ratio_above_floor=t["ratio_above_floor"], cpp=cpp,
+    if "floor_ms" in t:  # the runtime's own per-call cost (pte_latency / onnx_runtime.onnx_latency)
+        row.update(floor_ms=t["floor_ms"], latency_ratio_above_floor=t["ratio_above_floor"])
+    if fmt == "pte":  # the C++ runner (intqat.deploy.pte_latency)
+        row.update(cpp=cpp,
                    cpp_status=result.latency.get("cpp"), delegate_calls=result.info.get("delegate_calls"))
     table.add(cells, row)
 
@@ -137,7 +140,7 @@ def run_deploy_bench(quick: bool = False, repeats: int | None = None, info: dict
             f"executorch {version('executorch')}, onnxruntime {version('onnxruntime')}; latency: median CPU ms of "
             f"{s.repeats} interleaved calls, one thread, in a Python that never imports intqat; agreement: each file "
             "against intqat's integer model",
-            ".pte rows also: floor = a .pte of the same input returning it + 1 (one delegate call), timed interleaved "
+            "floor = a .pte of the same input returning it + 1 (one delegate call) / an Identity ONNX, timed interleaved "
             "with both files; above floor = (int8 - floor) / (fp32 - floor), the model's own time; C++ = the same "
             "three files in ExecuTorch's C++ runtime (no Python binding)",
             f"targets at batch 1: int8 .pte latency <= {TARGETS['latency_ratio_b1']}x and size <= "
