@@ -87,10 +87,12 @@ def test_each_late_rewrite_keeps_the_values(encoder, form):
     program = copy.deepcopy(base)
     assert rewrite_quantized_for_xnnpack(program) == {"layer_norms": 2, "means_4d": 1, "split_projections": 1}
     targets = {n.target for n in program.graph.nodes}
-    assert not targets & {torch.ops.aten.select.int, torch.ops.aten.squeeze.dim, torch.ops.aten.layer_norm.default}
-    packed = sum(t.numel() for t in (*base.state_dict.values(), *base.constants.values()) if isinstance(t, torch.Tensor))
-    split = sum(t.numel() for t in (*program.state_dict.values(), *program.constants.values()) if isinstance(t, torch.Tensor))
-    assert split == packed + 2 * 32, (split, packed)
+    aten = torch.ops.aten
+    assert not targets & {aten.select.int, aten.squeeze.dim, aten.layer_norm.default}
+    def numel(p):
+        return sum(t.numel() for t in (*p.state_dict.values(), *p.constants.values()) if isinstance(t, torch.Tensor))
+
+    assert numel(program) == numel(base) + 2 * 32, (numel(program), numel(base))
     torch.testing.assert_close(program.module()(x), want, rtol=1e-5, atol=1e-6)
 
 

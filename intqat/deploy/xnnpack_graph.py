@@ -237,9 +237,11 @@ def _add_constant(program: ExportedProgram, name: str, tensor: Tensor, like: tor
     from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
     specs = program.graph_signature.input_specs
-    at = next(i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT)
-    first_input = next(n for n in program.graph.nodes if n.op == "placeholder" and n.name == specs[at].arg.name)
-    with program.graph.inserting_before(first_input):
+    at = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(specs))
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    with (program.graph.inserting_before(placeholders[at]) if at < len(placeholders)
+          else program.graph.inserting_after(placeholders[-1]) if placeholders
+          else program.graph.inserting_before(next(iter(program.graph.nodes)))):
         node = program.graph.placeholder(name)
     node.meta["val"] = like.meta["val"].fake_mode.from_tensor(tensor)
     specs.insert(at, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target=node.name, persistent=None))
@@ -322,7 +324,8 @@ def split_packed_projections(program: ExportedProgram) -> int:
             continue
         tensors = [_constant(program, p) if isinstance(p, torch.fx.Node) else None for p in w_parts]
         bias = _constant(program, b) if isinstance(b, torch.fx.Node) else None
-        if any(t is None or t.shape[0] != rows for t in tensors) or (b is not None and (bias is None or bias.shape[0] != rows)):
+        if any(t is None or t.shape[0] != rows for t in tensors) \
+                or (b is not None and (bias is None or bias.shape[0] != rows)):
             continue
         outs = []
         for i in range(3):
