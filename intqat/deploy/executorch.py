@@ -42,7 +42,7 @@ from intqat.deploy.qdq import QDQGroupedIntLinear, QDQIntConv2d, QDQIntEmbedding
 from intqat.deploy.pte_latency import measure_latency, repeat_batch
 from intqat.deploy.pte_size import pte_parts
 from intqat.deploy.runtime import chunks, load_pte, pte_latency, run_pte
-from intqat.deploy.xnnpack_graph import rewrite_for_xnnpack
+from intqat.deploy.xnnpack_graph import rewrite_for_xnnpack, rewrite_quantized_for_xnnpack
 from intqat.deploy.xnnpack import OutputGrid, mark_dynamic_convs, model_output_layers, requantize_static_outputs
 
 __all__ = ["PteResult", "export_pte", "load_pte", "run_pte", "pte_latency", "PTE_FILE"]
@@ -123,6 +123,7 @@ def _lower(qdq: nn.Module, args: tuple, max_batch: int, calibration: list[tuple]
                                      "IntLinear", "IntConv2d", "IntEmbedding"]))
         program, report = convert(program, calibration_data=calibration or None,
                                   **{**autocast, "integer_module_types": types})
+    rewrites.update(rewrite_quantized_for_xnnpack(program))  # (fp32 ops re-spelled for XNNPACK, values kept)
     lowered = lower_xnnpack(program, layers)
     lowered.rewrites = rewrites
     _restore_batch_range(lowered, max_batch)
