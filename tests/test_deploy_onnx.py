@@ -256,6 +256,10 @@ def test_cli_format_onnx_and_onnx_int(run_dir, capsys):
     qdq = json.loads((out / "model_onnx_report.json").read_text())
     assert qdq["validation"]["top1_agreement"] == 1.0 and qdq["validation"]["samples"] == 270
     assert qdq["size"]["ratio"] < 0.5 and set(qdq["latency"]["per_batch"]) == {"1", "32"}
+    # the floor (an Identity file on the same inputs, timed beside them) and the session options beside the figures
+    assert {"floor_ms", "ratio_above_floor"} <= set(qdq["latency"]["per_batch"]["1"]) and "floor" in printed
+    assert qdq["latency"]["session_options"]["intra_op_num_threads"] == 1
+    assert qdq["onnx"]["onnxruntime_graph"]["integer_kernels"] == {"QGemm": 3}
     assert qdq["onnx"]["source"].startswith(str(run_dir))
     sess = session(out / "model.onnx")  # the written file is the one measured
     assert len(sess.get_inputs()) == 1 and isinstance(sess.get_inputs()[0].shape[0], str)  # the batch: symbolic

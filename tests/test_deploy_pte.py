@@ -343,6 +343,20 @@ def test_cli_format_pte_of_a_run_directory(run_dir, capsys):
                      "head": "XNNPACK (fp32 GEMM, int8-quantized input)"}
     assert report["validation"]["top1_agreement"] == 1.0 and report["validation"]["samples"] == 270
     assert report["size"]["ratio"] < 0.5 and set(report["latency"]["per_batch"]) == {"1", "32"}
+    # the floor and the C++ runner measured beside both files (no timing asserted: the bench gives ratios)
+    assert report["latency"]["cpp"] == "measured", report["latency"]["cpp"]  # (g++ and the wheel's headers: here)
+    for t in report["latency"]["per_batch"].values():
+        for figures in (t, t["cpp"]):
+            assert figures["floor_ms"] > 0 and figures["int8_ms"] > 0 and figures["fp32_ms"] > 0
+            assert figures["int8_above_floor_ms"] == pytest.approx(figures["int8_ms"] - figures["floor_ms"])
+    # the file's parts add up; the int8 weights are stored once, beside the fp32 head (the model-output rule) and,
+    # per static layer, fp32 weight scales, the int32 bias and its own scales (XNNPACK's format); nothing else
+    parts = report["size"]["int8_parts"]
+    assert sum(parts[k] for k in ("program", "delegate_payloads", "constant_data", "padding_and_header")) \
+        == parts["total"] == (out / "model.pte").stat().st_size
+    assert parts["largest_constants"][:3] == [128 * 128, 64 * 128, 10 * 128 * 4]
+    assert parts["constant_data"] - sum(parts["largest_constants"][:3]) == 2 * (3 * 128 * 4) + 10 * 4
+    assert "floor" in (out / "model_report.md").read_text()
     with pytest.raises(SystemExit) as e:  # a wrong format name: a usage error, nothing written
         cli.main([str(run_dir), "--format", "pt2,tflite", "--out", str(run_dir / "nope")])
     assert e.value.code == 2 and not (run_dir / "nope").exists()

@@ -39,10 +39,15 @@ from torch.utils._pytree import tree_leaves
 from intqat.deploy._require import require
 from intqat.deploy.lower import LayerCensus, Lowered, lower_xnnpack
 from intqat.deploy.qdq import QDQGroupedIntLinear, QDQIntConv2d, QDQIntEmbedding, qdq_layers, to_qdq
-from intqat.deploy.runtime import chunks, cpu_name, load_pte, pte_latency, run_pte
+from intqat.deploy.pte_latency import measure_latency, repeat_batch
+from intqat.deploy.pte_size import pte_parts
+from intqat.deploy.runtime import chunks, load_pte, pte_latency, run_pte
+from intqat.deploy.xnnpack_graph import rewrite_for_xnnpack, rewrite_quantized_for_xnnpack
 from intqat.deploy.xnnpack import OutputGrid, mark_dynamic_convs, model_output_layers, requantize_static_outputs
 
 __all__ = ["PteResult", "export_pte", "load_pte", "run_pte", "pte_latency", "PTE_FILE"]
+
+_repeat_batch = repeat_batch  # (intqat.deploy.onnx times its files on the same inputs)
 
 PTE_FILE = "model.pte"
 TESTED = {"executorch": "1.5.1", "torch": "2.13.0", "torchao": "0.18.0"}  # what tests/test_deploy_pte.py ran on
@@ -105,6 +110,7 @@ def _lower(qdq: nn.Module, args: tuple, max_batch: int, calibration: list[tuple]
 
     layers = [n for n, m in qdq.named_modules() if isinstance(m, QDQ_TYPES + (FloatKeptLinear, FloatKeptConv2d))]
     program = _export(qdq, args, max_batch)
+    rewrites = rewrite_for_xnnpack(program)  # (the same values; fewer ops outside XNNPACK, fewer delegate calls)
     grids = requantize_static_outputs(program, layers, calibration)
     mark_dynamic_convs(program)
     report = None
@@ -117,7 +123,9 @@ def _lower(qdq: nn.Module, args: tuple, max_batch: int, calibration: list[tuple]
                                      "IntLinear", "IntConv2d", "IntEmbedding"]))
         program, report = convert(program, calibration_data=calibration or None,
                                   **{**autocast, "integer_module_types": types})
+    rewrites.update(rewrite_quantized_for_xnnpack(program))  # (fp32 ops re-spelled for XNNPACK, values kept)
     lowered = lower_xnnpack(program, layers)
+    lowered.rewrites = rewrites
     _restore_batch_range(lowered, max_batch)
     return lowered, grids, report
 
@@ -209,6 +217,10 @@ class PteResult:
         outside = info.get("float_ops_outside_xnnpack") or {}
         lines += ["", "Float ops outside XNNPACK (ExecuTorch's portable kernels): "
                   + (", ".join(f"{op} x{n}" for op, n in outside.items()) if outside else "none")]
+        if "delegate_calls" in info:
+            rw = ", ".join(f"{k} {v}" for k, v in info.get("graph_rewrites", {}).items())
+            lines += ["", f"XNNPACK delegate calls per forward: {info['delegate_calls']} (graph rewrites for XNNPACK, "
+                      f"values unchanged: {rw or 'none'})"]
         for note in info.get("notes", []):
             lines += ["", note]
         lines += ["", "## Against the integer model (executorch.runtime)", "",
@@ -222,10 +234,20 @@ class PteResult:
             s = self.size
             lines += ["", "## Size and latency against an fp32 .pte of the same model", "",
                       f"- size: {s['int8_bytes']} bytes, fp32 .pte {s['fp32_bytes']} bytes ({s['ratio']:.3f}x)"]
+            if "int8_parts" in s:
+                lines += [f"- {k} .pte parts (bytes): " + ", ".join(f"{n} {v}" for n, v in s[f"{k}_parts"].items())
+                          for k in ("int8", "fp32")]
         for batch, t in self.latency.get("per_batch", {}).items():
-            lines.append(f"- batch {batch}: {t['int8_ms']:.3f} ms, fp32 .pte {t['fp32_ms']:.3f} ms ({t['ratio']:.3f}x)")
+            for runner, f in (("python", t), ("C++", t.get("cpp"))):
+                if f is None:
+                    continue
+                above = "n/a" if f["ratio_above_floor"] is None else f"{f['ratio_above_floor']:.3f}x"
+                lines.append(f"- batch {batch}, {runner}: {f['int8_ms'] * 1e3:.2f} µs, fp32 .pte {f['fp32_ms'] * 1e3:.2f} µs "
+                             f"({f['ratio']:.3f}x raw); floor {f['floor_ms'] * 1e3:.2f} µs, above it "
+                             f"{f['int8_above_floor_ms'] * 1e3:.2f} vs {f['fp32_above_floor_ms'] * 1e3:.2f} µs ({above})")
         if self.latency:
-            lines.append(f"- latency: {self.latency['method']}; CPU {self.latency['cpu']}")
+            lines.append(f"- latency: {self.latency['method']}; C++ runner {self.latency['cpp']}; CPU "
+                         f"{self.latency['cpu']}")
         lines += ["", f"executorch {info.get('executorch')}, torch {info.get('torch')}, intqat {info.get('intqat')}", ""]
         return "\n".join(lines)
 
@@ -401,6 +423,7 @@ def export_pte(
         "float_regions": "fp32" if autocast is None else str(autocast["low_precision_type"]),
         "autocast_nodes": None if autocast_report is None else autocast_report.counts(),
         "float_ops_outside_xnnpack": dict(lowered.float_ops_outside), "notes": notes,
+        "delegate_calls": lowered.delegate_calls, "graph_rewrites": dict(lowered.rewrites),
         "executorch": version("executorch"), "torch": torch.__version__, "intqat": __version__,
         "tested_with": TESTED,
     }
@@ -409,35 +432,12 @@ def export_pte(
         fp32_lowered, _, _ = _lower(float_qdq, args, max_batch, calibration, None)
         fp32_buffer = _buffer(fp32_lowered)
         result.size = {"int8_bytes": len(buffer), "fp32_bytes": len(fp32_buffer),
-                       "ratio": len(buffer) / len(fp32_buffer)}
-        result.latency = _latency(buffer, fp32_buffer, args, latency_batches, latency_repeats, max_batch)
+                       "ratio": len(buffer) / len(fp32_buffer),
+                       "int8_parts": pte_parts(buffer), "fp32_parts": pte_parts(fp32_buffer)}
+        result.latency = measure_latency(buffer, fp32_buffer, args, latency_batches, latency_repeats, max_batch)
     if path is not None:
         result.save(path)
     return result
-
-
-def _latency(buffer: bytes, fp32_buffer: bytes, args: tuple, batches: Sequence[int], repeats: int,
-             max_batch: int) -> dict:
-    batches = [b for b in batches if b <= max_batch]
-    if not batches:
-        return {}
-    with tempfile.TemporaryDirectory(prefix="intqat-pte-") as tmp:
-        files = {"int8": Path(tmp) / "int8.pte", "fp32": Path(tmp) / "fp32.pte"}
-        files["int8"].write_bytes(buffer)
-        files["fp32"].write_bytes(fp32_buffer)
-        times = pte_latency(files, {b: tuple(_repeat_batch(a, b) for a in args) for b in batches}, repeats)
-    per_batch = {b: {"int8_ms": t["int8"], "fp32_ms": t["fp32"], "ratio": t["int8"] / t["fp32"]}
-                 for b, t in times.items()}
-    return {"per_batch": per_batch, "cpu": cpu_name(),
-            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls, 1 XNNPACK thread, in a "
-                      "Python that never imported intqat"}
-
-
-def _repeat_batch(a: Any, b: int) -> Any:
-    if not isinstance(a, Tensor) or not a.dim():
-        return a
-    reps = (b + a.shape[0] - 1) // a.shape[0]
-    return a.repeat(reps, *([1] * (a.dim() - 1)))[:b].contiguous()
 
 
 def _validate(method, reference: nn.Module, batches: list, n_args: int, max_batch: int, labels, grids, qdq) -> dict:

@@ -51,6 +51,8 @@ class Lowered:
     layers: list[str] = field(default_factory=list)  # the Q/DQ layers' module paths
     present: set[str] = field(default_factory=set)  # those with a node in the program (forward calls them)
     final_ops: dict[str, set[str]] = field(default_factory=dict)  # layer -> ops outside XNNPACK after to_executorch
+    rewrites: dict[str, int] = field(default_factory=dict)  # intqat.deploy.xnnpack_graph's passes: nodes rewritten
+    delegate_calls: int = 0  # executorch_call_delegate nodes in the lowered program
 
 
 def _target_name(node: torch.fx.Node) -> str:
@@ -140,4 +142,6 @@ def lower_xnnpack(program: ExportedProgram, layers: list[str]) -> Lowered:
                 and layer_of(node, layers) is None and node.target.__name__ != "getitem":
             outside[_target_name(node)] += 1
     present = {layer_of(n, layers) for n in seen.get("graph", []) if n.op == "call_function"} - {None}
-    return Lowered(manager, taken, refused, outside, list(layers), present)
+    calls = sum(n.op == "call_function" and _target_name(n) == "executorch_call_delegate"
+                for n in manager.exported_program().graph.nodes)
+    return Lowered(manager, taken, refused, outside, list(layers), present, delegate_calls=calls)

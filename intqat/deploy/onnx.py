@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from intqat.deploy._require import require
 from intqat.deploy.onnx_census import census, float_of, integer_layers, layer_ops, refused_layer
 from intqat.deploy.onnx_report import OnnxLayer, OnnxResult
-from intqat.deploy.onnx_runtime import compare, session
+from intqat.deploy.onnx_runtime import compare, ort_graph, session
 
 __all__ = ["OnnxResult", "OnnxLayer", "export_onnx", "FORMS", "DEFAULT_OPSET", "TESTED"]
 
@@ -155,7 +155,7 @@ def export_onnx(
     from intqat._version import __version__
     from intqat.convert import float_census
     from intqat.deploy.executorch import _args, _inputs_of
-    from intqat.deploy.onnx_qdq import store_int4_weights
+    from intqat.deploy.onnx_qdq import split_unrequantized_bias, store_int4_weights
     from intqat.deploy.qdq import _integer_copy
 
     if form not in FORMS:
@@ -200,6 +200,7 @@ def export_onnx(
         onnx_model = _to_onnx(_program(module, args, max_batch, autocast, calibration), args, opset, table)
         if form == "qdq":
             store_int4_weights(onnx_model)
+            split_unrequantized_bias(onnx_model)
         ops = layer_ops(onnx_model, integer)
         _strip(onnx_model)
         data = _serialize(onnx_model)
@@ -212,13 +213,15 @@ def export_onnx(
                 raise ValueError(f"onnxruntime cannot load the exported {form} form: {e}; nothing was written") from None
             kept[refused] = f"onnxruntime refused it: {str(e).strip()[:300]}"
     validation = compare(sess, reference, batches)
+    fused = ort_graph(data)  # what onnxruntime made of the file: its integer kernels, the float GEMMs left
     rows = census(form, module, reference, ops, kept)
     result = OnnxResult(path, form, opset, rows, float_census(model), validation)
     result.info = {"model": type(model).__name__, "inputs": [f"{tuple(a.shape)} {a.dtype}" for a in args],
                    "float_regions": "fp32" if autocast is None else str(autocast["low_precision_type"]),
                    "notes": notes, "bytes": len(data),
                    "versions": {p: version(p) for p in ("onnx", "onnxscript", "onnxruntime")}
-                   | {"torch": torch.__version__, "intqat": __version__}, "tested_with": TESTED}
+                   | {"torch": torch.__version__, "intqat": __version__}, "tested_with": TESTED,
+                   "onnxruntime_graph": fused}
     if fp32_baseline:
         float_data = _fp32_file(model, reference, args, max_batch, opset)
         result.size = {"bytes": len(data), "fp32_bytes": len(float_data), "ratio": len(data) / len(float_data)}
@@ -241,7 +244,7 @@ def _latency(data: bytes, float_data: bytes, args: tuple, batches: Sequence[int]
     import tempfile
 
     from intqat.deploy.executorch import _repeat_batch
-    from intqat.deploy.onnx_runtime import onnx_latency
+    from intqat.deploy.onnx_runtime import SESSION_OPTIONS, onnx_latency
     from intqat.deploy.runtime import cpu_name
 
     if not batches:
@@ -251,7 +254,23 @@ def _latency(data: bytes, float_data: bytes, args: tuple, batches: Sequence[int]
         files["int8"].write_bytes(data)
         files["fp32"].write_bytes(float_data)
         times = onnx_latency(files, {b: tuple(_repeat_batch(a, b) for a in args) for b in batches}, repeats)
-    per_batch = {b: {"ms": t["int8"], "fp32_ms": t["fp32"], "ratio": t["int8"] / t["fp32"]} for b, t in times.items()}
-    return {"per_batch": per_batch, "cpu": cpu_name(),
-            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls, 1 onnxruntime thread, in "
-                      "a Python that never imported intqat"}
+    # floor: an Identity file on the same inputs, interleaved (onnxruntime's fixed cost per call from Python); above
+    # the floor: the ratio of what the two graphs themselves cost
+    per_batch = {b: {"ms": t["int8"], "fp32_ms": t["fp32"], "ratio": t["int8"] / t["fp32"], "floor_ms": t["floor"],
+                     "ratio_above_floor": (t["int8"] - t["floor"]) / max(t["fp32"] - t["floor"], 1e-9)}
+                 for b, t in times.items()}
+    return {"per_batch": per_batch, "cpu": cpu_name(), "session_options": dict(SESSION_OPTIONS),
+            "load": _load(),
+            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls (the file, the fp32 file "
+                      "and an Identity floor on the same inputs, the order rotated each round), onnxruntime session "
+                      "options "
+                      f"{', '.join(f'{k}={v}' for k, v in SESSION_OPTIONS.items())}, in a Python that never imported "
+                      "intqat"}
+
+
+def _load() -> str:
+    """The 1-, 5-, 15-minute load averages beside the figures (a shared machine's ratios hold, its times less so)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"

@@ -76,8 +76,15 @@ class OnnxResult:
         agree = f"top-1 agreement {100 * v['top1_agreement']:.2f}%, " if "top1_agreement" in v else ""
         out.append(f"vs integer   {'bit for bit, ' if v['bit_exact'] else ''}{agree}max |diff| {v['max_abs_diff']:.4g} "
                    f"({v['max_diff_in_steps']:.3g} output steps) on {v['samples']} samples (onnxruntime, CPU)")
+        g = self.info.get("onnxruntime_graph")
+        if g:
+            out.append(f"onnxruntime ran {_counts(g['integer_kernels']) or 'no integer kernel'}; float GEMM-class ops "
+                       f"{_counts(g['float_gemms']) or 'none'}; Q / DQ left "
+                       f"{g['quantize_linear']} / {g['dequantize_linear']}")
         if self.size:
-            lat = ", ".join(f"batch {b}: {t['ratio']:.3f}x" for b, t in self.latency.get("per_batch", {}).items())
+            lat = ", ".join(f"batch {b}: {t['ratio']:.3f}x" + (f" (floor {1e3 * t['floor_ms']:.1f} us)"
+                                                               if "floor_ms" in t else "")
+                            for b, t in self.latency.get("per_batch", {}).items())
             out.append(f"vs fp32 ONNX size {self.size['ratio']:.3f}x" + (f"; latency {lat}" if lat else ""))
         out += self.info.get("notes", [])
         return out
@@ -96,11 +103,25 @@ class OnnxResult:
             lines += ["", f"Size: {self.size['bytes']} bytes, fp32 ONNX {self.size['fp32_bytes']} bytes "
                           f"({self.size['ratio']:.3f}x)"]
         for b, t in self.latency.get("per_batch", {}).items():
-            lines.append(f"- batch {b}: {t['ms']:.3f} ms, fp32 ONNX {t['fp32_ms']:.3f} ms ({t['ratio']:.3f}x)")
+            floor = (f"; floor (an Identity file, same inputs) {t['floor_ms']:.4f} ms, above it "
+                     f"{t['ratio_above_floor']:.3f}x") if "floor_ms" in t else ""
+            lines.append(f"- batch {b}: {t['ms']:.4f} ms, fp32 ONNX {t['fp32_ms']:.4f} ms ({t['ratio']:.3f}x){floor}")
         if self.latency:
-            lines.append(f"- latency: {self.latency['method']}; CPU {self.latency['cpu']}")
+            lines.append(f"- latency: {self.latency['method']}; CPU {self.latency['cpu']}"
+                         + (f"; load {self.latency['load']}" if "load" in self.latency else ""))
+        g = self.info.get("onnxruntime_graph")
+        if g:
+            lines += ["", "## What onnxruntime runs (its optimized graph, CPU provider)", "",
+                      f"- integer kernels: {_counts(g['integer_kernels']) or 'none'}",
+                      f"- float GEMM-class ops: {_counts(g['float_gemms']) or 'none'}",
+                      f"- QuantizeLinear / DequantizeLinear left: {g['quantize_linear']} / {g['dequantize_linear']}",
+                      f"- session options: {', '.join(f'{k}={v}' for k, v in g['session_options'].items())}"]
         lines += [""] + self.info.get("notes", []) + ["", ", ".join(f"{k} {v}" for k, v in self.info.get("versions", {}).items()), ""]
         return "\n".join(lines)
+
+
+def _counts(ops: dict[str, int]) -> str:
+    return ", ".join(f"{n} {op}" for op, n in ops.items())
 
 
 # -- the export -----------------------------------------------------------------------------------------------------

@@ -17,19 +17,89 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["session", "run_session", "compare", "onnx_latency"]
+__all__ = ["session", "run_session", "compare", "onnx_latency", "floor_model", "ort_graph", "SESSION_OPTIONS",
+           "INTEGER_KERNELS", "FLOAT_GEMMS"]
+
+# The session options the latency is measured with (and every report states): onnxruntime's defaults a deployer gets
+# (all graph optimizations, which include the Q/DQ fusion; sequential execution) on one thread. Measured and left out
+# (AMX Xeon, onnxruntime 1.32): session.qdqisint8allowed=1 (int8 activations kept int8 instead of shifted to uint8)
+# took the Q/DQ encoder from 0.86x to 2.9x the fp32 time: x86's fast int8 kernels are uint8 x int8. Spinning and
+# inter-op threads do not apply to one thread.
+SESSION_OPTIONS = {"graph_optimization_level": "ORT_ENABLE_ALL", "execution_mode": "ORT_SEQUENTIAL",
+                   "intra_op_num_threads": 1, "inter_op_num_threads": 1}
+
+# onnxruntime's integer kernels a Q/DQ GEMM / conv becomes when its optimizer fuses it, and the float ones it runs
+# when it does not (attention's own products are float GEMMs too: the model keeps them float)
+INTEGER_KERNELS = ("QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "QLinearConv", "DynamicQuantizeMatMul",
+                   "MatMulInteger", "ConvInteger", "MatMulNBits", "QAttention", "DynamicQuantizeLSTM")
+FLOAT_GEMMS = ("Gemm", "FusedGemm", "MatMul", "FusedMatMul", "Conv", "FusedConv")
 
 
-def session(model: bytes | str | os.PathLike, threads: int | None = None):
-    """An onnxruntime InferenceSession on the CPU provider (default graph optimizations: what a deployer gets)."""
+def _options(threads: int | None = None, optimized_path: str | None = None):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3  # errors only (its warnings about serializing optimized models are not ours)
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, SESSION_OPTIONS["graph_optimization_level"])
+    options.execution_mode = getattr(ort.ExecutionMode, SESSION_OPTIONS["execution_mode"])
     if threads is not None:
         options.intra_op_num_threads = threads
+    if optimized_path is not None:
+        options.optimized_model_filepath = optimized_path
+    return options
+
+
+def session(model: bytes | str | os.PathLike, threads: int | None = None):
+    """An onnxruntime InferenceSession on the CPU provider (SESSION_OPTIONS' optimizations: what a deployer gets)."""
+    import onnxruntime as ort
+
     source = model if isinstance(model, bytes) else str(model)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source, _options(threads), providers=["CPUExecutionProvider"])
+
+
+def ort_graph(model: bytes | str | os.PathLike) -> dict[str, Any]:
+    """What onnxruntime (CPU) runs after its graph optimizations (SESSION_OPTIONS; its optimized_model_filepath): the
+    op counts, the integer kernels it fused Q/DQ patterns into, the float GEMM-class ops left, the Q / DQ nodes left
+    (a DequantizeLinear of a weight left there runs at every call)."""
+    import collections
+
+    import onnx
+
+    source = model if isinstance(model, bytes) else str(model)
+    with tempfile.TemporaryDirectory(prefix="intqat-ort-graph-") as tmp:
+        import onnxruntime as ort
+
+        path = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(source, _options(1, path), providers=["CPUExecutionProvider"])
+        ops = collections.Counter(n.op_type for n in onnx.load(path, load_external_data=False).graph.node)
+    pick = lambda names: {k: ops[k] for k in names if ops.get(k)}  # noqa: E731
+    return {"ops": dict(sorted(ops.items())), "integer_kernels": pick(INTEGER_KERNELS),
+            "float_gemms": pick(FLOAT_GEMMS),
+            "quantize_linear": ops.get("QuantizeLinear", 0), "dequantize_linear": ops.get("DequantizeLinear", 0),
+            "session_options": dict(SESSION_OPTIONS)}
+
+
+def floor_model(example_inputs: Sequence[Tensor]) -> bytes:
+    """An ONNX file that returns its inputs (Identity): the same inputs as the model, the batch symbolic. Timed beside
+    the model, it is onnxruntime's fixed cost of one InferenceSession.run from Python (feeds in, outputs out as numpy:
+    the output here is the input's size, an upper bound on a classifier's small output), the floor under any file's
+    batch-1 latency."""
+    import onnx
+    from onnx import helper
+
+    tensors = [a for a in example_inputs if isinstance(a, Tensor)]
+    dtype = {torch.float32: onnx.TensorProto.FLOAT, torch.float16: onnx.TensorProto.FLOAT16,
+             torch.int64: onnx.TensorProto.INT64, torch.int32: onnx.TensorProto.INT32}
+    ins, outs, nodes = [], [], []
+    for i, t in enumerate(tensors):
+        if t.dtype not in dtype:
+            raise ValueError(f"floor_model: input {i} has dtype {t.dtype}; supported: {sorted(map(str, dtype))}")
+        shape = ["batch", *t.shape[1:]] if t.dim() else []
+        ins.append(helper.make_tensor_value_info(f"x{i}", dtype[t.dtype], shape))
+        outs.append(helper.make_tensor_value_info(f"y{i}", dtype[t.dtype], shape))
+        nodes.append(helper.make_node("Identity", [f"x{i}"], [f"y{i}"]))
+    graph = helper.make_graph(nodes, "onnxruntime_floor", ins, outs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString()
 
 
 def run_session(sess, args: Sequence[Any]) -> list[Tensor]:
@@ -94,9 +164,12 @@ import json, statistics, sys, time
 import numpy as np
 import onnxruntime as ort
 spec = json.loads(sys.argv[1])
+settings = spec["options"]
 options = ort.SessionOptions()
-options.intra_op_num_threads = 1
-options.inter_op_num_threads = 1
+options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, settings["graph_optimization_level"])
+options.execution_mode = getattr(ort.ExecutionMode, settings["execution_mode"])
+options.intra_op_num_threads = settings["intra_op_num_threads"]
+options.inter_op_num_threads = settings["inter_op_num_threads"]
 options.log_severity_level = 3
 sessions = {name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
             for name, path in spec["files"].items()}
@@ -109,10 +182,12 @@ for batch, path in spec["inputs"].items():
     for _ in range(spec["warmup"]):
         for name, s in sessions.items():
             s.run(None, feeds[name])
-    for _ in range(spec["repeats"]):
-        for name, s in sessions.items():
+    names = list(sessions)
+    for r in range(spec["repeats"]):
+        # the order rotates each round: a call's time depends on what ran just before it (the caches it left)
+        for name in names[r % len(names):] + names[:r % len(names)]:
             t0 = time.process_time()
-            s.run(None, feeds[name])
+            sessions[name].run(None, feeds[name])
             times[name].append((time.process_time() - t0) * 1e3)
     result[batch] = {name: statistics.median(t) for name, t in times.items()}
 assert not any(m == "intqat" or m.startswith("intqat.") for m in sys.modules)
@@ -121,18 +196,27 @@ print(json.dumps(result))
 
 
 def onnx_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
-                 warmup: int = 5) -> dict[int, dict[str, float]]:
+                 warmup: int = 5, floor: bool = True) -> dict[int, dict[str, float]]:
     """Median CPU ms per call of each ONNX file (name -> path) for each batch's inputs: one call of each per round
-    (interleaved), time.process_time (this process only: on a shared machine the ratio holds), one onnxruntime
-    thread, in a fresh Python that never imports intqat."""
+    (interleaved, the order rotated each round), time.process_time (this process only: on a shared machine the
+    ratio holds), SESSION_OPTIONS (one onnxruntime thread), in a fresh Python that never imports intqat. floor: also
+    the floor_model of the inputs, interleaved with the files, under the name "floor" (onnxruntime's fixed cost per
+    call)."""
     import numpy as np
 
+    if floor and "floor" in files:
+        raise ValueError('onnx_latency: "floor" names the floor model; give the files other names')
     with tempfile.TemporaryDirectory(prefix="intqat-onnx-timing-") as tmp:
+        if floor:
+            files = {**files, "floor": os.path.join(tmp, "floor.onnx")}
+            with open(files["floor"], "wb") as f:
+                f.write(floor_model(next(iter(inputs.values()))))
         paths = {}
         for batch, args in inputs.items():
             paths[str(batch)] = os.path.join(tmp, f"inputs_{batch}.npz")
             np.savez(paths[str(batch)], *[a.detach().contiguous().numpy() for a in args if isinstance(a, Tensor)])
-        spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup}
+        spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup,
+                "options": SESSION_OPTIONS}
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-c", _TIMING_SCRIPT, json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=1800)

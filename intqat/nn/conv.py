@@ -68,6 +68,8 @@ def conv_padding(conv: nn.Conv2d) -> tuple[int, int] | None:
 
 
 class _QuantConvBase(nn.Module):
+    grad_gemm = "int8x3"  # QuantConfig.grad_gemm: how IntConv2d's backward GEMMs run (set per instance)
+
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d | None, input_quantizer, weight_quantizer):
         super().__init__()
         self.in_channels, self.out_channels = conv.in_channels, conv.out_channels
@@ -125,6 +127,8 @@ class FakeQuantConv2d(_QuantConvBase):
             # (whole tensors: a sharded conv's Parameters are DTensors, its BN's running stats plain buffers)
             w_init = full_tensor(w_init) * _fold_scale(bn, full_tensor(bn.weight.detach())).reshape(-1, 1, 1, 1)
         mod.weight_quantizer = WeightQuantizer(config.weight, w_init).to(dev)
+        if config.grad_gemm != mod.grad_gemm:
+            mod.grad_gemm = config.grad_gemm  # carried to the IntConv2d that replaces it
         return mod
 
     def _conv(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -160,13 +164,16 @@ class IntConv2d(_QuantConvBase):
         mod._bn_frozen = True
         mod.register_load_state_dict_post_hook(_sync_bn_frozen)
         mod.input_quantizer, mod.weight_quantizer = fq.input_quantizer, fq.weight_quantizer
+        if fq.grad_gemm != mod.grad_gemm:
+            mod.grad_gemm = fq.grad_gemm
         return mod
 
     def _op_args(self):
         aq, wq = self.input_quantizer, self.weight_quantizer
         return dict(stride=self.stride, padding=self.padding, dilation=self.dilation, groups=self.groups,
                     x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
-                    w_clip_mask=wq.scale is not None)  # a min-max weight scale never clips
+                    w_clip_mask=wq.scale is not None,  # a min-max weight scale never clips
+                    grad_gemm=self.grad_gemm)
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input

@@ -130,16 +130,18 @@ def run_linear(gemm: int, digits_x: bool, digits_w: bool, x2d: Tensor, weight: T
                       w_clip_mask, gemm, digits_x, digits_w, SCALE_EPS)
 
 
-def run_conv(gemm: int, x: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int,
-             stride: list[int], padding: list[int], dilation: list[int], groups: int, x_qmin: int, x_qmax: int,
-             w_qmin: int, w_qmax: int, w_clip_mask: bool) -> Tensor:
+def run_conv(gemm: int, digits_x: bool, digits_w: bool, digits_amx: bool, x: Tensor, weight: Tensor,
+             bias: Tensor | None, w_scale: Tensor, x_scale: float, z_x: int, stride: list[int], padding: list[int],
+             dilation: list[int], groups: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
+             w_clip_mask: bool) -> Tensor:
     """y (B, O, Ho, Wo) through intqat_train::int_conv2d; x fp32 (B, C, H, W). gemm: LINEAR_GEMMS' code or CONV_ONEDNN
-    (grouped convs run an exact fp32 conv of the codes and ignore it)."""
+    (grouped convs run an exact fp32 conv of the codes and ignore it). digits_x / digits_w: that backward GEMM as a
+    digit GEMM on the im2col form (groups == 1; int_conv2d._digit_grads), on AMX tiles if digits_amx."""
     global _conv_op
     if _conv_op is None:
         _conv_op = torch.ops.intqat_train.int_conv2d.default
     return _conv_op(x, weight, bias, w_scale, x_scale, z_x, stride, padding, dilation, groups, x_qmin, x_qmax,
-                    w_qmin, w_qmax, w_clip_mask, gemm)
+                    w_qmin, w_qmax, w_clip_mask, gemm, digits_x, digits_w, digits_amx)
 
 
 def run_grouped(digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None,

@@ -1,4 +1,4 @@
-"""Differentiable integer 2-D convolution: im2col of int8 codes + int_mm, fp32 STE backward.
+"""Differentiable integer 2-D convolution: im2col of int8 codes + int_mm; STE backward on the int8 units (digits) or fp32.
 
 Forward, x (B, C, H, W), W (O, C/g, kh, kw):
     q_x  = quantize(x, s_x, z_x)                           per tensor (static, or dynamic symmetric)
@@ -8,8 +8,17 @@ Forward, x (B, C, H, W), W (O, C/g, kh, kw):
     acc  = conv2d_fp32(q_x - z_x, q_w, groups)             groups > 1 (depthwise too): one grouped conv of
                                                            the codes in fp32, exact (see _grouped_acc)
     y    = float32(acc) * (s_x * s_w[o]) + b[o]
-Backward (STE): aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w),
-then the clip masks, and LSQ gradients for learned scales, as in int_linear.
+Backward (STE), then the clip masks, and LSQ gradients for learned scales, as in int_linear:
+    fp32:   aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w)
+    digits (groups == 1, grad_gemm "int8x3", where `digits_pay` says so for the im2col GEMM (M, K', O),
+    M = B*Ho*Wo, K' = C*kh*kw): int_linear's two backward GEMMs on the im2col form (`_digit_grads`),
+        g_mat      = g as (M, O), rows NHWC pixels
+        grad_w_mat = (g_mat * s_x)ᵀ @ (cols - z_x)       (O, K')  digit_matmul, contraction over M
+        grad_cols  = (g_mat * s_w[o]) @ q_w_mat          (M, K')  digit_matmul, contraction over O
+        grad_x     = fold(grad_cols)                     each input pixel: the sum of its <= kh*kw window
+                                                         entries, in fp32, in (i, j) order (`_fold_nhwc`)
+    grad_b = sum over (B, Ho, Wo) of g. Each GEMM decides on its own (grad_x and grad_w); the one that does
+    not pay stays in convolution_backward. Grouped / depthwise convs keep convolution_backward.
 
 `intqat::int_conv2d` is one torch.library custom op; eager calls go through `_IntConv2dEager`, the same forward and
 backward without the dispatch: both built from the formulas below by `op_outline.IntegerOp` (CONV), the scalar
@@ -26,8 +35,10 @@ from torch import Tensor
 
 from typing import NamedTuple
 
-from intqat.ops import backends
+from intqat.ops import backends, cpp_step
 from intqat.ops.backends.reference import Reference
+from intqat.ops.backends.formulas import conv_grad_x_digits_may_pay
+from intqat.ops.digit_gemm import check_grad_gemm, digit_matmul, digits_pay
 from intqat.ops.int_linear import integer_epilogue, quantize_weight, rounded_zero_point, rounded_zero_point_int
 from intqat.ops.int_mm import int_mm
 from intqat.ops.lsq import lsq_grad_factor, lsq_scale_grad_elem
@@ -35,7 +46,7 @@ from intqat.ops.op_outline import IntegerOp
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
-__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size", "conv_geometry"]
+__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size", "conv_geometry", "conv_backward_gemms"]
 
 
 def conv_output_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
@@ -206,6 +217,7 @@ class ConvSpec(NamedTuple):
     w_qmax: int
     x_dynamic: bool
     w_clip_mask: bool
+    grad_gemm: str = "int8x3"  # read by the backward only
 
 
 def _forward(x, weight, bias, x_scale, x_zero_point, w_scale, spec: ConvSpec):
@@ -255,7 +267,92 @@ def _save(ctx, tensors, spec: ConvSpec, output):
     ctx.conv = (spec.stride, spec.padding, spec.dilation, spec.groups)
     ctx.ranges = (spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax)
     ctx.x_lsq, ctx.has_bias = x_lsq, bias is not None
+    ctx.grad_gemm = spec.grad_gemm
     ctx.shapes = (x_scale.shape, x_zero_point.shape, w_scale.shape)
+
+
+def _digits_chosen(grad_gemm: str, groups: int, gemm_shape: tuple) -> tuple[bool, bool]:
+    """(grad_x, grad_w as digit GEMMs?) for a conv whose im2col GEMM is gemm_shape = (B*Ho*Wo, C*kh*kw, O): the linear
+    layers' rule (`digits_pay`, per GEMM) on that shape, grad_x only from CONV_DIGITS_X_MIN_OUT_CHANNELS output
+    channels (formulas.conv_grad_x_digits_may_pay); never for grouped / depthwise convs or grad_gemm "fp32"."""
+    if grad_gemm != "int8x3" or groups != 1:
+        return False, False
+    digits_x = conv_grad_x_digits_may_pay(gemm_shape) is None and digits_pay(*gemm_shape, grad="x")
+    return digits_x, digits_pay(*gemm_shape, grad="w")
+
+
+def conv_backward_gemms(x_shape, weight_shape, stride=1, padding=0, dilation=1, groups: int = 1,
+                        grad_gemm: str = "int8x3") -> dict[str, str]:
+    """How an integer conv's STE backward runs on this CPU, per gradient: {"grad_x": ..., "grad_w": ...}, each
+    "digits" (the im2col GEMM on the int8 units) or "fp32 convolution_backward: <why>". x_shape (B, C, H, W),
+    weight_shape (O, C/groups, kh, kw). The same decision the op takes (`_digits_chosen`)."""
+    stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
+    B, C, H, W = x_shape
+    O, _, kh, kw = weight_shape
+    Ho = conv_output_size(H, kh, stride[0], padding[0], dilation[0])
+    Wo = conv_output_size(W, kw, stride[1], padding[1], dilation[1])
+    shape = (B * Ho * Wo, C * kh * kw, O)
+    out = {}
+    for grad, chosen in zip("xw", _digits_chosen(check_grad_gemm(grad_gemm), groups, shape)):
+        if chosen:
+            out[f"grad_{grad}"] = "digits"
+            continue
+        if grad_gemm != "int8x3":
+            why = f"grad_gemm={grad_gemm!r}"
+        elif groups != 1:
+            why = f"a grouped conv (groups={groups}): only groups == 1 has the im2col digit form"
+        elif grad == "x" and conv_grad_x_digits_may_pay(shape) is not None:
+            why = conv_grad_x_digits_may_pay(shape)
+        else:
+            b = backends.select("digit_matmul", record=False, at_run_time=True)
+            why = ("no backend runs the digit GEMM here" if b is None else
+                   f"{b.name}: {b.slow('digit_matmul', shape, grad)}")
+        out[f"grad_{grad}"] = f"fp32 convolution_backward: {why} (im2col GEMM (M, K, N) = {shape})"
+    return out
+
+
+def _fold_nhwc(cols: Tensor, B: int, Ho: int, Wo: int, C: int, H: int, W: int, kernel, stride, padding,
+               dilation) -> Tensor:
+    """col2im of grad_cols (B*Ho*Wo, kh*kw*C), columns in `_im2col`'s (i, j, c) order -> (B, C, H, W) fp32, a view
+    with channels_last strides. Each input pixel gets the sum of its <= kh*kw window entries, added in fp32 onto 0 in
+    (i, j) order. Eager CPU calls with the C++ ops built run their loop (`intqat_train::fold_padded`, train_conv.cpp:
+    one pass per image); elsewhere one strided add per kernel offset, the same additions in the same order, so the
+    same bits. A 1x1 kernel at stride 1 without padding has nothing to sum: the GEMM's rows as they are."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = kernel, stride, padding, dilation
+    if (kh, kw, sh, sw, ph, pw) == (1, 1, 1, 1, 0, 0):
+        return cols.view(B, Ho, Wo, C).permute(0, 3, 1, 2)
+    if backends.eager_cpu((cols,)) and cpp_step.available():
+        out = torch.ops.intqat_train.fold_padded(cols, B, Ho, Wo, C, H, W, kh, kw, list(stride), list(padding),
+                                                 list(dilation))
+    else:
+        u = cols.view(B, Ho, Wo, kh, kw, C)
+        out = cols.new_zeros(B, H + 2 * ph, W + 2 * pw, C)
+        for i in range(kh):
+            for j in range(kw):
+                out[:, i * dh: i * dh + sh * (Ho - 1) + 1: sh, j * dw: j * dw + sw * (Wo - 1) + 1: sw].add_(
+                    u[:, :, :, i, j])
+    return out[:, ph: ph + H, pw: pw + W].permute(0, 3, 1, 2)
+
+
+def _digit_grads(g, q_x, z_x, s_x, q_w, s_w, stride, padding, dilation, digits_x: bool, digits_w: bool):
+    """The STE GEMMs of a groups == 1 conv on the im2col form, as digit GEMMs (int_linear's two):
+    g (B, O, Ho, Wo) fp32, q_x (B, C, H, W), q_w (O, C, kh, kw) int8, s_x (1, 1), s_w (O,) ->
+    (grad_xhat (B, C, H, W) or None, grad_what (O, C, kh, kw) or None), unmasked."""
+    B, O, Ho, Wo = g.shape
+    _, C, kh, kw = q_w.shape
+    g_mat = g.permute(0, 2, 3, 1).reshape(B * Ho * Wo, O)  # (M, O), rows NHWC pixels (a view if g is channels_last)
+    grad_xhat = grad_what = None
+    if digits_w:
+        # grad_w_mat (O, K') = (g_mat * s_x)ᵀ @ (cols - z_x), contraction over the M pixels; cols in (i, j, c) order
+        cols, _, _ = _im2col(q_x, z_x if backends.tracing(z_x) else int(z_x), (kh, kw), stride, padding, dilation, 1)
+        grad_what = digit_matmul(g_mat.t(), s_x.reshape(-1), cols.contiguous(), z_x)
+        grad_what = grad_what.view(O, kh, kw, C).permute(0, 3, 1, 2).contiguous()
+    if digits_x:
+        # grad_cols (M, K') = (g_mat * s_w[o]) @ q_w_mat, contraction over O; then col2im
+        grad_cols = digit_matmul(g_mat, s_w, _weight_columns(q_w).contiguous(), 0)
+        grad_xhat = _fold_nhwc(grad_cols, B, Ho, Wo, C, q_x.shape[2], q_x.shape[3], (kh, kw), stride, padding,
+                               dilation)
+    return grad_xhat, grad_what
 
 
 def _backward(ctx, g, *_unused):
@@ -269,12 +366,29 @@ def _backward(ctx, g, *_unused):
     need_x, need_w, need_b, need_sx, need_zx, need_sw = ctx.needs_input_grad[:6]
     g = g.to(torch.float32)  # any layout: convolution_backward takes channels_last as it comes
     ws = w_scale.detach().reshape(-1, 1, 1, 1).to(torch.float32)
-    x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
-    w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
-    grad_xhat, grad_what, grad_b = torch.ops.aten.convolution_backward(
-        g, x_hat, w_hat, [w_hat.shape[0]] if ctx.has_bias else None, stride, padding, dilation,
-        False, [0, 0], groups, [need_x or need_sx or need_zx, need_w or need_sw, need_b and ctx.has_bias],
-    )
+    O, C, kh, kw = q_w.shape
+    M = g.shape[0] * g.shape[2] * g.shape[3]
+    digits_x, digits_w = _digits_chosen(ctx.grad_gemm, groups, (M, C * kh * kw, O))
+    want_x, want_w = need_x or need_sx or need_zx, need_w or need_sw
+    want_b = need_b and ctx.has_bias
+    grad_xhat = grad_what = grad_b = None
+    if (want_x and digits_x) or (want_w and digits_w):
+        grad_xhat, grad_what = _digit_grads(g, q_x, z_x, s_x, q_w, ws.reshape(-1), stride, padding, dilation,
+                                            want_x and digits_x, want_w and digits_w)
+        if want_b:  # (convolution_backward below, if it runs, is not asked for it: one definition per path)
+            grad_b = g.sum(dim=(0, 2, 3))
+            want_b = False
+    fp32_x, fp32_w = want_x and grad_xhat is None, want_w and grad_what is None
+    if fp32_x or fp32_w or want_b:
+        x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
+        w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            g, x_hat, w_hat, [O] if ctx.has_bias else None, stride, padding, dilation,
+            False, [0, 0], groups, [fp32_x, fp32_w, want_b],
+        )
+        grad_xhat = gx if fp32_x else grad_xhat
+        grad_what = gw if fp32_w else grad_what
+        grad_b = gb if want_b else grad_b
     grad_x = grad_w = grad_sx = grad_zx = grad_sw = None
     if need_x:
         grad_x = torch.where(mask_x, grad_xhat, 0.0) if mask_x.numel() else grad_xhat
@@ -354,16 +468,21 @@ def int_conv2d(
     x: Tensor, weight: Tensor, bias: Tensor | None, x_scale: Tensor | None, x_zero_point: Tensor | None,
     w_scale: Tensor, *, stride=1, padding=0, dilation=1, groups: int = 1,
     x_qmin: int = -128, x_qmax: int = 127, w_qmin: int = -127, w_qmax: int = 127,
-    x_dynamic: bool = False, w_clip_mask: bool | None = None,
+    x_dynamic: bool = False, w_clip_mask: bool | None = None, grad_gemm: str = "int8x3",
 ) -> Tensor:
     """Integer conv2d, differentiable (STE + LSQ). x (B, C, H, W) float; weight (O, C/groups, kh, kw);
     w_scale (O,); static activations: x_scale (1,), x_zero_point (1,); scales positive (not read to check, as
-    int_linear). Padding must be numeric (string padding is resolved by IntConv2d)."""
+    int_linear). Padding must be numeric (string padding is resolved by IntConv2d).
+
+    `grad_gemm`: "int8x3" (default): a groups == 1 conv's two backward GEMMs run as digit GEMMs on the im2col form
+    where the linear layers' rule (`digits_pay`) says they pay for its im2col GEMM (`conv_backward_gemms` says so per
+    layer); "fp32": fp32 convolution_backward only."""
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, groups, x_dynamic)
     stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
     _check_window(x, weight, stride, padding, dilation)
     check_qrange(x_qmin, x_qmax)
     check_qrange(w_qmin, w_qmax)
+    check_grad_gemm(grad_gemm)
     if x_dynamic:
         x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
     x_zero_point = x_zero_point if x_zero_point.is_floating_point() else x_zero_point.to(torch.float32)
@@ -384,7 +503,7 @@ def int_conv2d(
             s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
-                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry)
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm)
     b = backends.select("conv_step", *tensors, spec=spec, eager=eager)
     return b.conv_step(x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation,
                        spec, s_x, z)
@@ -394,8 +513,8 @@ class ConvStep(NamedTuple):
     """One int_conv2d call's scalar options and the facts the table decides the step from (as int_linear's
     LinearStep): empty: no input elements or no output channels; fits_one_fp32_conv: a group's C/g * kh * kw
     terms fit _EXACT_FP32_TERMS; K: C * kh * kw; gemm_shape: the conv as a GEMM (B Ho Wo, K, O) and geometry
-    (`conv_geometry`): what the table decides `conv_int8` (oneDNN's int8 conv) from. The facts are read on eager
-    CPU calls only (None / 0 otherwise)."""
+    (`conv_geometry`): what the table decides `conv_int8` (oneDNN's int8 conv) from, and the backward's digit GEMMs
+    (`digits_pay` on gemm_shape). The facts are read on eager CPU calls only (None / 0 otherwise)."""
 
     x_qmin: int
     x_qmax: int
@@ -412,13 +531,14 @@ class ConvStep(NamedTuple):
     K: int
     gemm_shape: tuple | None = None
     geometry: tuple | None = None
+    grad_gemm: str = "int8x3"
 
 
 def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,
                  z_x) -> Tensor:
     """The reference backend's `conv_step`: the op's Python path (the custom op while a tracer watches)."""
     op = ConvSpec(stride, padding, dilation, spec.groups, spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax,
-                  spec.x_dynamic, spec.w_clip_mask)
+                  spec.x_dynamic, spec.w_clip_mask, spec.grad_gemm)
     return CONV(x, weight, bias, x_scale, x_zero_point, w_scale, spec=op)[0]
 
 

@@ -5,6 +5,9 @@
  *                                        split into three int8 digit planes, one torch._int_mm of the stacked
  *                                        planes (3R, C) @ q (C, K), the exact combine -> (R, K) fp32
  *                                        (cpu_fused.digit_matmul; the split and combine are fused.c's)
+ *     digit_matmul_amx(a, col_scale, q, z)   the same bits on AMX tiles (amx_digits.c: the planes accumulated and
+ *                                        combined per 32x32 block; cpu_kernels.amx_digit_matmul's steps), for a
+ *                                        caller the backend table sends to amx; only where intqat_amx_available()
  *     dequantized(role, q, scale, z, per_row)   (q - z) * scale per row or one scale, fp32, into this thread's
  *                                        scratch for `role` (an operand that dies in the next mm) */
 #ifndef INTQAT_DIGIT_MATMUL_H
@@ -23,6 +26,10 @@ void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32
                            int32_t z, const uint8_t *mask, float *out);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+// amx_digits.c (stubs without AMX: the Python side asks cpu_kernels.amx_available() before it sends a call here)
+void intqat_amx_pack_b(const int8_t *q, int64_t C, int64_t K, int64_t qs, int64_t ld, int64_t Kp, int8_t *bpack);
+void intqat_amx_digit_gemm(const int8_t *digits, int64_t R, int64_t ld, const int8_t *bpack, int64_t K,
+                           const int32_t *shift, const int32_t *rowsum, int32_t z, const uint8_t *mask, float *out);
 }
 
 namespace intqat {
@@ -30,12 +37,13 @@ namespace intqat {
 template <typename T>
 inline T *data_or_null(const at::Tensor &t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
 
-inline at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z) {
+inline at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z,
+                               at::Tensor out = at::Tensor() /* (R, K) fp32 contiguous to write into, or a new one */) {
     const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
     at::Tensor digits = scratch("digits", {3, R, C}, at::kChar);
     at::Tensor shift = at::empty({R}, at::TensorOptions().dtype(at::kInt));
     at::Tensor rowsum = z ? at::empty({3, R}, at::TensorOptions().dtype(at::kInt)) : at::Tensor();
-    at::Tensor out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+    if (!out.defined()) out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
     if (R == 0) return out;
     intqat_split_digits(data_or_null<float>(a), R, C, a.stride(0), a.stride(1), data_or_null<float>(col_scale),
                         col_scale.numel() > 1 ? 1 : 0, data_or_null<int8_t>(digits), C, R * C,
@@ -45,6 +53,29 @@ inline at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale,
     if (out.numel())
         intqat_combine_digits(data_or_null<int32_t>(acc), R, K, data_or_null<int32_t>(shift),
                               data_or_null<int32_t>(rowsum), z, nullptr, data_or_null<float>(out));
+    return out;
+}
+
+inline at::Tensor digit_matmul_amx(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z,
+                                   at::Tensor out = at::Tensor() /* as digit_matmul's */) {
+    constexpr int64_t rows = 32, cols = 32, depth = 64;  // cpu_kernels.AMX_ROWS, AMX_COLS, AMX_DEPTH
+    const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
+    const int64_t Rp = (R + rows - 1) / rows * rows, ld = (C + depth - 1) / depth * depth,
+                  Kp = (K + cols - 1) / cols * cols;
+    if (!out.defined()) out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+    if (R == 0 || K == 0) return out;
+    at::Tensor digits = scratch("digits", {3, Rp, ld}, at::kChar);
+    if (Rp > R) digits.narrow(1, R, Rp - R).zero_();  // the last row block's pad rows: zero digits
+    at::Tensor shift = at::empty({R}, at::TensorOptions().dtype(at::kInt));
+    at::Tensor rowsum = z ? at::empty({3, R}, at::TensorOptions().dtype(at::kInt)) : at::Tensor();
+    intqat_split_digits(data_or_null<float>(a), R, C, a.stride(0), a.stride(1), data_or_null<float>(col_scale),
+                        col_scale.numel() > 1 ? 1 : 0, data_or_null<int8_t>(digits), ld, Rp * ld,
+                        data_or_null<int32_t>(shift), data_or_null<int32_t>(rowsum));
+    at::Tensor bpack = scratch("amx_b", {ld * Kp}, at::kChar);
+    intqat_amx_pack_b(data_or_null<int8_t>(q), C, K, q.stride(0), ld, Kp, data_or_null<int8_t>(bpack));
+    intqat_amx_digit_gemm(data_or_null<int8_t>(digits), R, ld, data_or_null<int8_t>(bpack), K,
+                          data_or_null<int32_t>(shift), data_or_null<int32_t>(rowsum), z, nullptr,
+                          data_or_null<float>(out));
     return out;
 }
 

@@ -19,18 +19,27 @@
  *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
  *                  accumulator as fp32 (intqat/ops/conv_onednn.py: conv_acc, channel_chunks; the same calls)
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
- * Backward (straight-through): convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o], masked. The clip
- * masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in place on
- * the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
+ * Backward (straight-through), then the clip masks; digits_x / digits_w: that GEMM on the int8 units (groups == 1
+ * only; int_conv2d._digit_grads, the same calls), on AMX tiles (digits_amx) or through torch._int_mm:
+ *     fp32:   convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o]
+ *     digits: g_mat (M, O) = g as NHWC rows; grad_w = (g_mat s_x)ᵀ @ (im2col(q_x) - z)   (O, kh*kw*C)
+ *             grad_x = fold((g_mat s_w[o]) @ q_w_cols)   (M, kh*kw*C) -> each pixel's window sum, (i, j) order
+ *             grad_b = sum of g over (B, Ho, Wo) (when either GEMM is digits)
+ * The clip masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in
+ * place on the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
+#include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
@@ -168,11 +177,142 @@ at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, a
     return acc.to(at::kFloat);
 }
 
+/* int_conv2d._im2col for groups == 1: (B, C, H, W) codes -> (B*Ho*Wo, kh*kw*C), columns (i, j, c), c fastest, in one
+ * C pass (an exact copy: the Python path's codes, so the same bits downstream): a
+ * memcpy of a pixel's C codes per (output pixel, i, j), the zero point's code where the window leaves the input.
+ * aten's copy of the unfold view walks a 7-D iterator over 64-byte runs: ~3x slower at ResNet's 64 channels. */
+at::Tensor im2col_rows(const at::Tensor &q_x, int32_t z, int64_t kh, int64_t kw, at::IntArrayRef stride,
+                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t &Ho, int64_t &Wo) {
+    const int64_t B = q_x.size(0), C = q_x.size(1), H = q_x.size(2), W = q_x.size(3);
+    const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0],
+                  dw = dilation[1];
+    Ho = (H + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
+    Wo = (W + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
+    const at::Tensor q = q_x.permute({0, 2, 3, 1}).contiguous();  // NHWC (a view for channels_last codes)
+    const int64_t Kc = kh * kw * C, ho = Ho, wo = Wo;
+    // (cols die in the GEMM that reads them: this thread's scratch, no fresh pages to fault in)
+    at::Tensor cols = intqat::scratch("cols", {B * Ho * Wo, Kc}, at::kChar);
+    const int8_t *src = q.data_ptr<int8_t>();
+    int8_t *dst = cols.data_ptr<int8_t>();
+    at::parallel_for(0, B * Ho, 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {  // one output row (b, oh)
+            const int64_t b = r / ho, oh = r % ho;
+            for (int64_t ow = 0; ow < wo; ++ow) {
+                int8_t *d = dst + (r * wo + ow) * Kc;
+                for (int64_t i = 0; i < kh; ++i) {
+                    const int64_t ih = oh * sh - ph + i * dh, iw0 = ow * sw - pw;
+                    if (dw == 1 && ih >= 0 && ih < H && iw0 >= 0 && iw0 + kw <= W) {  // the row's kw pixels: adjacent
+                        std::memcpy(d, src + ((b * H + ih) * W + iw0) * C, kw * C);
+                        d += kw * C;
+                        continue;
+                    }
+                    for (int64_t j = 0; j < kw; ++j, d += C) {
+                        const int64_t iw = ow * sw - pw + j * dw;
+                        if (ih < 0 || ih >= H || iw < 0 || iw >= W)
+                            std::memset(d, (int8_t)z, C);
+                        else
+                            std::memcpy(d, src + ((b * H + ih) * W + iw) * C, C);
+                    }
+                }
+            }
+        }
+    });
+    return cols;
+}
+
+/* int_conv2d._fold_nhwc: grad_cols (B*Ho*Wo, kh*kw*C) fp32 -> (B, H + 2 ph, W + 2 pw, C), padded NHWC; each input
+ * pixel the fp32 sum of its window entries, added onto 0 in (i, j) order: per image, the kernel offsets (i, j) outermost, then the output pixels, C contiguous floats at a time (the order
+ * of the Python twin's strided adds, so the same bits). */
+/* o[r * os + k] += c[r * cs + k] for r < rows, k < len: the fold's inner loops (vectorized: -O2 alone leaves a loop
+ * of unknown trip count scalar) */
+__attribute__((optimize("O3"))) void add_rows(const float *__restrict c, int64_t cs, float *__restrict o, int64_t os,
+                                               int64_t rows, int64_t len) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < len; ++k) o[r * os + k] += c[r * cs + k];
+}
+
+void fold_into(const at::Tensor &cols_in, at::Tensor &out, int64_t Ho, int64_t Wo, int64_t C, int64_t kh, int64_t kw,
+               at::IntArrayRef stride, at::IntArrayRef dilation) {
+    // cols (n*Ho*Wo, kh*kw*C) fp32 -> added into out (n, Hp, Wp, C) contiguous, zeroed by the caller
+    const int64_t sh = stride[0], sw = stride[1], dh = dilation[0], dw = dilation[1];
+    const at::Tensor cols = cols_in.contiguous();
+    const int64_t n = out.size(0), Hp = out.size(1), Wp = out.size(2), Kc = kh * kw * C;
+    const float *src = cols.data_ptr<float>();
+    float *dst = out.data_ptr<float>();
+    // tasks: (image, range of channels): disjoint outputs, each element's additions in (i, j) order. Channel
+    // ranges only to give every thread work when there are fewer images than threads.
+    const int64_t threads = at::get_num_threads();
+    const int64_t parts = n >= threads ? 1 : std::min<int64_t>((threads + n - 1) / n, std::max<int64_t>(C / 16, 1));
+    const int64_t width = (C + parts - 1) / parts;
+    at::parallel_for(0, n * parts, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t b = t / parts, k0 = t % parts * width, len = std::min(C, k0 + width) - k0;
+            const float *cb = src + b * Ho * Wo * Kc + k0;
+            float *ob = dst + b * Hp * Wp * C + k0;
+            for (int64_t i = 0; i < kh; ++i)
+                for (int64_t j = 0; j < kw; ++j)
+                    for (int64_t oh = 0; oh < Ho; ++oh)
+                        add_rows(cb + oh * Wo * Kc + (i * kw + j) * C, Kc, ob + ((i * dh + oh * sh) * Wp + j * dw) * C,
+                                 sw * C, Wo, len);
+        }
+    });
+}
+
+at::Tensor fold_padded(const at::Tensor &cols, int64_t B, int64_t Ho, int64_t Wo, int64_t C, int64_t H, int64_t W,
+                       int64_t kh, int64_t kw, at::IntArrayRef stride, at::IntArrayRef padding,
+                       at::IntArrayRef dilation) {
+    at::Tensor out = at::zeros({B, H + 2 * padding[0], W + 2 * padding[1], C}, at::TensorOptions().dtype(at::kFloat));
+    fold_into(cols, out, Ho, Wo, C, kh, kw, stride, dilation);
+    return out;
+}
+
+/* -> grad_x (B, C, H, W) with channels_last strides: the GEMM's rows themselves for a 1x1 kernel at stride 1 without
+ * padding (nothing to sum), else a view of fold_padded's interior */
+at::Tensor fold_nhwc(const at::Tensor &cols, int64_t B, int64_t Ho, int64_t Wo, int64_t C, int64_t H, int64_t W,
+                     int64_t kh, int64_t kw, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+    const int64_t ph = padding[0], pw = padding[1];
+    if (kh == 1 && kw == 1 && stride[0] == 1 && stride[1] == 1 && ph == 0 && pw == 0)
+        return cols.view({B, Ho, Wo, C}).permute({0, 3, 1, 2});
+    return fold_padded(cols, B, Ho, Wo, C, H, W, kh, kw, stride, padding, dilation)
+        .slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2});
+}
+
+/* (a * col_scale) @ (q - z) as a digit GEMM on the kernel the table runs digit_matmul on */
+at::Tensor digits_mm(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z, bool amx,
+                     at::Tensor out = at::Tensor()) {
+    return amx ? intqat::digit_matmul_amx(a, col_scale, q, z, out) : intqat::digit_matmul(a, col_scale, q, z, out);
+}
+
+/* grad_x = fold((g_mat * s_w[o]) @ q_w_cols) (int_conv2d._digit_grads' grad_x), a few images at a time: each chunk's
+ * grad_cols (<= FOLD_CHUNK floats, or one image) is folded while it is in cache. The digit GEMM's rows are
+ * independent (one shift per row), so chunks give the same bits as one call. */
+constexpr int64_t FOLD_CHUNK = int64_t(1) << 18;  // 1 MiB of fp32 grad_cols: an L2's share
+at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const at::Tensor &wcols, bool amx,
+                         const at::Tensor &q_x, int64_t Ho, int64_t Wo, int64_t kh, int64_t kw, at::IntArrayRef stride,
+                         at::IntArrayRef padding, at::IntArrayRef dilation) {
+    const int64_t B = q_x.size(0), C = q_x.size(1), H = q_x.size(2), W = q_x.size(3);
+    if (kh == 1 && kw == 1 && stride[0] == 1 && stride[1] == 1 && padding[0] == 0 && padding[1] == 0)
+        return fold_nhwc(digits_mm(g_mat, s_w, wcols, 0, amx), B, Ho, Wo, C, H, W, kh, kw, stride, padding, dilation);
+    const int64_t ph = padding[0], pw = padding[1], per_image = Ho * Wo * wcols.size(1);
+    const int64_t step = std::max<int64_t>(1, FOLD_CHUNK / std::max<int64_t>(per_image, 1));
+    // the padded sums die in the copy below: scratch; the gradient itself is a fresh tensor in q_x's layout
+    at::Tensor out = intqat::scratch("fold_out", {B, H + 2 * ph, W + 2 * pw, C}, at::kFloat).zero_();
+    for (int64_t b0 = 0; b0 < B; b0 += step) {
+        const int64_t n = std::min(step, B - b0);
+        at::Tensor part = out.narrow(0, b0, n);
+        // (the chunk's grad_cols die in the fold: this thread's scratch, no fresh pages to fault in)
+        at::Tensor chunk = intqat::scratch("grad_cols", {n * Ho * Wo, wcols.size(1)}, at::kFloat);
+        fold_into(digits_mm(g_mat.narrow(0, b0 * Ho * Wo, n * Ho * Wo), s_w, wcols, 0, amx, chunk), part, Ho, Wo, C,
+                  kh, kw, stride, dilation);
+    }
+    return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+}
+
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
                          const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
                          at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
                          int64_t gemm) {
-    const int64_t B = q_x.size(0), C = q_x.size(1), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
+    const int64_t B = q_x.size(0), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
     if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
         const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
         at::Tensor xz = dequantized(q_x, one, (float)z, false);
@@ -188,17 +328,8 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
         if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
         return channels_last(q_x) ? y : y.contiguous();
     }
-    // int_conv2d._im2col: (B, C, H, W) codes -> (B*Ho*Wo, C*kh*kw), columns (i, j, c), c fastest
-    const int64_t sh = stride[0], sw = stride[1], ph = padding[0], pw = padding[1], dh = dilation[0],
-                  dw = dilation[1];
-    at::Tensor q = q_x.permute({0, 2, 3, 1});
-    q = (ph || pw) ? at::constant_pad_nd(q, {0, 0, pw, pw, ph, ph}, z) : q.contiguous();
-    const int64_t ext_h = dh * (kh - 1) + 1, ext_w = dw * (kw - 1) + 1;
-    at::Tensor u = q.unfold(1, ext_h, sh).unfold(2, ext_w, sw);
-    u = u.slice(4, 0, c10::nullopt, dh).slice(5, 0, c10::nullopt, dw);  // [..., ::dh, ::dw]
-    const int64_t Ho = u.size(1), Wo = u.size(2);
-    u = u.reshape({B, Ho, Wo, groups, C / groups, kh, kw}).permute({0, 1, 2, 3, 5, 6, 4});
-    at::Tensor cols = u.reshape({B * Ho * Wo, C * kh * kw});
+    int64_t Ho = 0, Wo = 0;
+    at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, Ho, Wo);  // (groups == 1 here)
     at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1});  // int_conv2d._weight_columns
     at::Tensor acc = int_mm(cols, wcols.t(), gemm);
     at::Tensor y = at::empty({B * Ho * Wo, O}, at::TensorOptions().dtype(at::kFloat));
@@ -215,7 +346,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                               const c10::optional<at::Tensor> &bias_in, const at::Tensor &w_scale, double x_scale,
                               int64_t x_zero_point, std::vector<int64_t> stride, std::vector<int64_t> padding,
                               std::vector<int64_t> dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
-                              int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm) {
+                              int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm, bool digits_x,
+                              bool digits_w, bool digits_amx) {
         TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && weight.dim() == 4,
                     "intqat_train::int_conv2d: x (B, C, H, W) float32 and a 4-D weight");
         const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -252,11 +384,14 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         ctx->saved_data["dilation"] = dilation;
         ctx->saved_data["groups"] = groups;
         ctx->saved_data["has_bias"] = bias.defined();
+        ctx->saved_data["digits_x"] = digits_x && groups == 1;
+        ctx->saved_data["digits_w"] = digits_w && groups == 1;
+        ctx->saved_data["digits_amx"] = digits_amx;
         return not_a_view(y);
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        variable_list out(16);  // one per forward input; x, weight, bias get gradients
+        variable_list out(19);  // one per forward input; x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
@@ -267,18 +402,53 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // (edges: x, weight, then bias only when given)
         const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
                    need_b = has_bias && ctx->needs_input_grad(2);
-        const at::Tensor x_hat = dequantized(q_x, s_x, (float)ctx->saved_data["z"].toInt(), false);
-        const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
+        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
         const auto stride = ctx->saved_data["stride"].toIntVector(), padding = ctx->saved_data["padding"].toIntVector(),
                    dilation = ctx->saved_data["dilation"].toIntVector();
-        const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
-        auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
-                                                                   : c10::nullopt,
-                                          stride, padding, dilation, false, {0, 0}, ctx->saved_data["groups"].toInt(),
-                                          {need_x, need_w, need_b});
-        if (need_x) out[0] = masked_like(std::get<0>(r), bits_x, q_x);
-        if (need_w) out[1] = masked_like(std::get<1>(r), bits_w, q_w);
-        if (need_b) out[2] = std::get<2>(r);
+        const bool amx = ctx->saved_data["digits_amx"].toBool();
+        const bool dx = need_x && ctx->saved_data["digits_x"].toBool(), dw = need_w && ctx->saved_data["digits_w"].toBool();
+        at::Tensor gx, gw, gb;
+        bool want_b = need_b;
+        if (dx || dw) {  // int_conv2d._digit_grads
+            const int64_t B = g.size(0), O = g.size(1), Ho = g.size(2), Wo = g.size(3), C = q_w.size(1),
+                          kh = q_w.size(2), kw = q_w.size(3);
+            // g_mat (M, O): g's NHWC rows (a view of channels_last g; else a copy into scratch: it dies here)
+            const at::Tensor g_nhwc = g.permute({0, 2, 3, 1});
+            const at::Tensor g_mat = g_nhwc.is_contiguous()
+                                         ? g_nhwc.reshape({B * Ho * Wo, O})
+                                         : intqat::scratch("g_mat", {B, Ho, Wo, O}, at::kFloat).copy_(g_nhwc)
+                                               .view({B * Ho * Wo, O});
+            if (dw) {
+                int64_t ho = 0, wo = 0;
+                const at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, ho, wo);
+                gw = digits_mm(g_mat.t(), s_x.reshape({-1}), cols, z, amx)
+                         .view({O, kh, kw, C}).permute({0, 3, 1, 2}).contiguous();
+            }
+            if (dx) {
+                const at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1}).contiguous();
+                gx = grad_x_digits(g_mat, s_w, wcols, amx, q_x, Ho, Wo, kh, kw, stride, padding, dilation);
+            }
+            if (want_b) {
+                gb = g.sum({0, 2, 3});
+                want_b = false;
+            }
+        }
+        const bool fx = need_x && !gx.defined(), fw = need_w && !gw.defined();
+        if (fx || fw || want_b) {
+            const at::Tensor x_hat = dequantized(q_x, s_x, (float)z, false);
+            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
+            const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
+            auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
+                                                                       : c10::nullopt,
+                                              stride, padding, dilation, false, {0, 0},
+                                              ctx->saved_data["groups"].toInt(), {fx, fw, want_b});
+            if (fx) gx = std::get<0>(r);
+            if (fw) gw = std::get<1>(r);
+            if (want_b) gb = std::get<2>(r);
+        }
+        if (need_x) out[0] = masked_like(gx, bits_x, q_x);
+        if (need_w) out[1] = masked_like(gw, bits_w, q_w);
+        if (need_b) out[2] = gb;
         return out;
     }
 };
@@ -286,9 +456,11 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
 at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                       const at::Tensor &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
-                      int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm) {
+                      int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm, bool digits_x, bool digits_w,
+                      bool digits_amx) {
     return IntConv2dTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, stride.vec(), padding.vec(),
-                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask, gemm);
+                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask, gemm, digits_x,
+                                 digits_w, digits_amx);
 }
 
 }  // namespace
@@ -296,6 +468,16 @@ at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::
 TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
     m.def("int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor w_scale, float x_scale, int x_zero_point, "
           "int[] stride, int[] padding, int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, "
-          "bool w_clip_mask, int gemm) -> Tensor",
+          "bool w_clip_mask, int gemm, bool digits_x, bool digits_w, bool digits_amx) -> Tensor",
           int_conv2d);
+    // the fold alone, for int_conv2d's Python path (its eager CPU calls): the same loop, so the same bits
+    m.def("fold_padded(Tensor cols, int B, int Ho, int Wo, int C, int H, int W, int kh, int kw, int[] stride, "
+          "int[] padding, int[] dilation) -> Tensor",
+          [](const at::Tensor &cols, int64_t B, int64_t Ho, int64_t Wo, int64_t C, int64_t H, int64_t W, int64_t kh,
+             int64_t kw, at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation) {
+              TORCH_CHECK(cols.scalar_type() == at::kFloat && cols.dim() == 2 && cols.size(0) == B * Ho * Wo &&
+                              cols.size(1) == kh * kw * C, "intqat_train::fold_padded: cols must be (B*Ho*Wo, kh*kw*C) "
+                              "float32, got ", cols.sizes());
+              return fold_padded(cols, B, Ho, Wo, C, H, W, kh, kw, stride, padding, dilation);
+          });
 }

@@ -21,8 +21,11 @@ intqat/ops/int_linear.py, int_linear_grouped.py and int_conv2d.py, which registe
         VNNI kernel only (elsewhere the Python path runs); grad_w as digits where the table's digit GEMM pays.
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
-        x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry). Its forward GEMM: oneDNN's
-        int8 conv where the table runs `conv_int8` on onednn_conv, else im2col + the table's `int_mm`.
+        x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry, grad_gemm). Its forward GEMM:
+        oneDNN's int8 conv where the table runs `conv_int8` on onednn_conv, else im2col + the table's `int_mm`. Its
+        backward GEMMs (groups == 1, grad_gemm "int8x3"): each as a digit GEMM on the im2col form where the table's
+        digit GEMM is fast for gemm_shape (the linear layers' rule), on the kernel the table runs `digit_matmul` on
+        (amx's tiles or cpu_fused's torch._int_mm); else fp32 convolution_backward.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from intqat.ops import cpp_step as ops
 from intqat.ops import cpu_kernels
 from intqat.ops.backends.base import Backend, plain_cpu
 from intqat.ops.backends.exact import MAX_K_INT32
+from intqat.ops.backends.formulas import conv_grad_x_digits_may_pay
 
 __all__ = ["CppStep"]
 
@@ -65,8 +69,8 @@ class CppStep(Backend):
     # --- the plan: what one step runs, from the table's own choices --------------------------------------
 
     def _plan(self, primitive: str, shape, spec) -> tuple | str:
-        """(gemm code, digits_x, digits_w, ran) for the op, or why it may not run: cached per shape, options and
-        the table's state (forced backend, off switches)."""
+        """(gemm code, digits_x, digits_w, ran) for the op (the conv's: with digits_amx before ran), or why it may not
+        run: cached per shape, options and the table's state (forced backend, off switches)."""
         key = (primitive, shape, spec, self.table.state())
         plan = self._plans.get(key)
         if plan is None:
@@ -158,17 +162,43 @@ class CppStep(Backend):
         reason = self._passes_on_cpu_fused(steps)
         if reason is not None:
             return reason
-        if grouped:  # an exact fp32 conv of the codes: no integer GEMM
-            return 0, False, False, tuple((p, "cpu_fused") for p in steps)
+        if grouped:  # an exact fp32 conv of the codes: no integer GEMM; the fp32 backward
+            return 0, False, False, False, tuple((p, "cpu_fused") for p in steps)
+        digits = self._conv_digits(spec)
+        if isinstance(digits, str):
+            return digits
+        digits_x, digits_w, digits_ran = digits
         if self.table.runs("conv_int8", spec.gemm_shape, spec.geometry) == "onednn_conv":
             # oneDNN's int8 conv: the accumulator without im2col, then the epilogue's float steps (no int32 epilogue)
             ran = (("conv_int8", "onednn_conv"), *((p, "cpu_fused") for p in steps if p != "epilogue"))
-            return ops.CONV_ONEDNN, False, False, ran
+            return ops.CONV_ONEDNN, digits_x, digits_w, digits_ran == "amx", ran + self._digits_ran(digits)
         gemm = self._gemm("int_mm", None)
         if isinstance(gemm, str):
             return gemm
         name = next(n for n, code in ops.LINEAR_GEMMS.items() if code == gemm)
-        return gemm, False, False, (("int_mm", name), *((p, "cpu_fused") for p in steps))
+        ran = (("int_mm", name), *((p, "cpu_fused") for p in steps))
+        return gemm, digits_x, digits_w, digits_ran == "amx", ran + self._digits_ran(digits)
+
+    def _conv_digits(self, spec) -> tuple | str:
+        """(digits_x, digits_w, the backend of the digit GEMM or None) for a groups == 1 conv: int_conv2d's
+        `_digits_chosen` (the linear layers' rule on the im2col GEMM's shape), or why the op may not run them."""
+        if spec.grad_gemm != "int8x3" or spec.gemm_shape is None:
+            return False, False, None
+        digits_x = conv_grad_x_digits_may_pay(spec.gemm_shape) is None and \
+            self.table.fast("digit_matmul", spec.gemm_shape, "x")
+        digits_w = self.table.fast("digit_matmul", spec.gemm_shape, "w")
+        if not (digits_x or digits_w):
+            return False, False, None
+        b = self.table.runs("digit_matmul", None)
+        if b not in ("amx", "cpu_fused"):
+            return (f"the table runs digit_matmul on {b}{self.table.forced_note()}: the op calls amx's or cpu_fused's "
+                    "digit kernels")
+        return digits_x, digits_w, b
+
+    @staticmethod
+    def _digits_ran(digits) -> tuple:
+        digits_x, digits_w, b = digits
+        return (("digit_matmul", b),) * (digits_x + digits_w)
 
     # --- the primitives ---------------------------------------------------------------------------------
 
@@ -189,7 +219,7 @@ class CppStep(Backend):
                                op.x_dynamic, op.w_clip_mask and spec.w_scale_given)
 
     def conv_step(self, x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x):
-        gemm, _, _, ran = self._plan("conv_step", None, spec)
+        gemm, digits_x, digits_w, digits_amx, ran = self._plan("conv_step", None, spec)
         self.table.note_ran(ran)
-        return ops.run_conv(gemm, x, weight, bias, w_scale, s_x, z_x, stride, padding, dilation, spec.groups,
+        return ops.run_conv(gemm, digits_x, digits_w, digits_amx, x, weight, bias, w_scale, s_x, z_x, stride, padding, dilation, spec.groups,
                             spec.x_qmin, spec.x_qmax, spec.w_qmin, spec.w_qmax, spec.w_clip_mask)

@@ -16,8 +16,26 @@ from torch import Tensor
 
 from intqat.ops.backends.base import tracing
 
-__all__ = ["split_digits", "combine_digits", "pack_mask_torch", "unpack_mask_torch", "weight_colsum", "group_sums",
+__all__ = ["CONV_DIGITS_X_MIN_OUT_CHANNELS", "conv_grad_x_digits_may_pay", "split_digits", "combine_digits", "pack_mask_torch", "unpack_mask_torch", "weight_colsum", "group_sums",
            "grouped_reference"]
+
+# An integer conv's grad_x as a digit GEMM contracts over its O output channels and writes grad_cols, kh*kw times
+# the input gradient, which the fold then sums: a cost per output element that the int8 units do not shorten. With
+# a contraction of 64 the digit GEMM alone is no faster than the fp32 GEMM (AMX Xeon, 2026-11-28: (4096, 64) @
+# (64, 576) 1.02x), and with the fold the 64 -> 64 3x3 conv's grad_x was 1.14x fp32's convolution_backward; from
+# 128 channels it was 0.69x-0.79x. Every class's digit GEMM (AMX tiles or torch._int_mm) does three int8 planes
+# per fp32 one, so below this contraction no class gains; the linear layers' shape rules then apply on top.
+CONV_DIGITS_X_MIN_OUT_CHANNELS = 128
+
+
+def conv_grad_x_digits_may_pay(gemm_shape: tuple[int, int, int]) -> str | None:
+    """None, or why an integer conv's grad_x stays fp32 whatever the linear rule says, for its im2col GEMM
+    gemm_shape = (B*Ho*Wo, C*kh*kw, O)."""
+    if gemm_shape[2] < CONV_DIGITS_X_MIN_OUT_CHANNELS:
+        return (f"{gemm_shape[2]} output channels < CONV_DIGITS_X_MIN_OUT_CHANNELS = {CONV_DIGITS_X_MIN_OUT_CHANNELS} "
+                "(grad_cols + fold cost more than the short contraction saves)")
+    return None
+
 
 _DIGIT = 128.0  # 2^7: the weight of one digit relative to the next
 _SCALE_ALL = 16384.0  # 2^14: d0's weight relative to d2
