@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
+from intqat.nn import eager_step
 from intqat.nn.linear import DeployedIntLinear, FakeQuantLinear, IntLinear
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_linear import int_linear, quantize_weight, rounded_zero_point
@@ -284,6 +285,11 @@ class IntMultiheadAttention(_QuantMHABase):
         # min-max per-channel scales: the op computes them per row, the same numbers as for the whole weight
         w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)[rows_w]
         bias = self.in_proj_bias if (whole and self._qkv_same_embed_dim) else self._bias(rows)
+        if w_scale is None:  # the C++ step, decided once per input shape (eager_step.py); else int_linear's path
+            y = eager_step.linear_step(self, group, x, w if whole else w[rows_w], bias, aq, wq.qmin, wq.qmax,
+                                       self.out_proj.grad_gemm)
+            if y is not None:
+                return y
         return int_linear(x, w if whole else w[rows_w], bias, aq.scale, aq.zero_point, w_scale,
                           x_qmin=aq.qmin, x_qmax=aq.qmax, w_qmin=wq.qmin, w_qmax=wq.qmax, x_dynamic=aq.dynamic,
                           w_clip_mask=wq.scale is not None, grad_gemm=self.out_proj.grad_gemm)

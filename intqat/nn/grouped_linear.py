@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intqat.config import QuantConfig, QuantSpec, resolve_config
+from intqat.nn import eager_step
 from intqat.nn.fake_quantize import fake_quantize_ste
 from intqat.nn.linear import _QuantLinearBase, in_input_dtype, is_hf_conv1d, weight_regathered
 from intqat.nn.quantizers import ActivationQuantizer, full_tensor, keep_learned_scale_positive_
@@ -172,6 +173,10 @@ class GroupedIntLinear(_QuantLinearBase):
             aq._check_ready()
         if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
             w = self.w_nk()
+            if wq.scale is None and wq.narrow:  # the C++ step, decided once per input shape (eager_step.py)
+                y = eager_step.grouped_step(self, "grouped", x, w, self.bias, aq, wq.group_size, wq.qmin, wq.qmax)
+                if y is not None:
+                    return y  # (float32 in, float32 out)
             w_scale = None if (wq.scale is None and wq.narrow) else wq.group_scale(w)
             return in_input_dtype(int_linear_grouped(x, w, self.bias, aq.scale, aq.zero_point, w_scale,
                                                      **self._op_args()), x)

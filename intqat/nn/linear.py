@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
+from intqat.nn import eager_step
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer
 from intqat.ops.int_linear import (
     int_linear,
@@ -157,8 +158,12 @@ class IntLinear(_QuantLinearBase):
             wq = self.weight_quantizer
             # min-max per-channel scales: the op computes them in the pass that makes the codes
             w = self.w_nk()
-            w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)
             try:
+                if wq.scale is None and wq.per_channel:  # the C++ step decided once per input shape (eager_step.py)
+                    y = eager_step.linear_step(self, "linear", x, w, self.bias, aq, wq.qmin, wq.qmax, self.grad_gemm)
+                    if y is not None:
+                        return self._requantize(y)  # (float32 in, float32 out: in_input_dtype has nothing to do)
+                w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)
                 y = int_linear(x, w, self.bias, aq.scale, aq.zero_point, w_scale, **self._op_args())
             except ValueError as e:  # (a shape / dtype the op refuses: say which layer)
                 raise ValueError(f"intqat: integer {aq._where()}: {e}") from None

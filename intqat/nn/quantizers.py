@@ -223,7 +223,8 @@ class ActivationQuantizer(nn.Module):
             self.spec.observer != "minmax", self.spec.averaging_constant, self.qmin, self.qmax, self.spec.symmetric)
         if status != 1:
             return False
-        self._initialized = True
+        if not self._initialized:  # (nn.Module.__setattr__ costs a few us: only on the first batch)
+            self._initialized = True
         return True
 
     def _where(self) -> str:

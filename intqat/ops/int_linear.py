@@ -439,6 +439,16 @@ def int_linear(
     below each row's max, rounded once; intqat.ops.digit_gemm), for the layers where that is faster
     (`digits_pay`); "fp32": fp32 GEMMs only. The Triton (GPU) backward runs fp32 GEMMs.
     """
+    b, args = linear_call(x, weight, bias, x_scale, x_zero_point, w_scale, x_qmin=x_qmin, x_qmax=x_qmax, w_qmin=w_qmin,
+                          w_qmax=w_qmax, x_dynamic=x_dynamic, w_clip_mask=w_clip_mask, grad_gemm=grad_gemm)
+    y = b.linear_step(*args)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def linear_call(x, weight, bias, x_scale, x_zero_point, w_scale, *, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
+                w_clip_mask, grad_gemm, record: bool = True):
+    """int_linear's checks and the table's choice: (backend, the arguments of its `linear_step`). record=False: a
+    question (intqat.nn.eager_step caches the answer per layer), not a call."""
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, x_dynamic)
     check_qrange(x_qmin, x_qmax)
     check_qrange(w_qmin, w_qmax)
@@ -464,6 +474,5 @@ def int_linear(
     spec = LinearStep(op, w_scale is not None, learned, x_dynamic or x_scale.dtype == torch.float32,
                       s_x is None or (s_x == s_x and z is not None))
     M, K = x2d.shape
-    b = backends.select("linear_step", *tensors, shape=(M, K, weight.shape[0]), spec=spec, eager=eager)
-    y = b.linear_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)
-    return y if flat else y.reshape(*x.shape[:-1], weight.shape[0])
+    b = backends.select("linear_step", *tensors, shape=(M, K, weight.shape[0]), spec=spec, eager=eager, record=record)
+    return b, (x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)

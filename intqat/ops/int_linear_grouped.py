@@ -334,6 +334,16 @@ def int_linear_grouped(
     and x_zero_point (1,) (learnable by LSQ / LSQ+). The backward GEMMs run in fp32 (grad_w on the
     int8 units on AMX CPUs, as int_linear's).
     """
+    b, args = grouped_call(x, weight, bias, x_scale, x_zero_point, w_scale, group_size=group_size, x_qmin=x_qmin,
+                           x_qmax=x_qmax, w_qmin=w_qmin, w_qmax=w_qmax, x_dynamic=x_dynamic, w_clip_mask=w_clip_mask)
+    y = b.grouped_step(*args)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def grouped_call(x, weight, bias, x_scale, x_zero_point, w_scale, *, group_size, x_qmin, x_qmax, w_qmin, w_qmax,
+                 x_dynamic, w_clip_mask, record: bool = True):
+    """int_linear_grouped's checks and the table's choice: (backend, the arguments of its `grouped_step`).
+    record=False: a question (intqat.nn.eager_step caches the answer per layer), not a call."""
     _check(x, weight, bias, x_scale, x_zero_point, w_scale, group_size, x_dynamic)
     check_qrange(x_qmin, x_qmax)
     check_qrange(w_qmin, w_qmax)
@@ -341,7 +351,6 @@ def int_linear_grouped(
         x_scale = x_zero_point = x.new_zeros(1, dtype=torch.float32)
     elif not x_zero_point.is_floating_point():
         x_zero_point = x_zero_point.to(torch.float32)
-    lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1]).to(torch.float32)
     tensors = (x2d, weight, bias, x_scale, x_zero_point, w_scale)
     learned = (w_scale is not None and w_scale.requires_grad) or (
@@ -356,6 +365,5 @@ def int_linear_grouped(
     spec = GroupedStep(op, w_scale is not None, learned, x_dynamic or x_scale.dtype == torch.float32,
                        s_x is None or (s_x == s_x and z is not None))
     b = backends.select("grouped_step", *tensors, shape=(x2d.shape[0], x2d.shape[1], weight.shape[0]), spec=spec,
-                        eager=eager)
-    y = b.grouped_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)
-    return y.reshape(*lead, weight.shape[0])
+                        eager=eager, record=record)
+    return b, (x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z)

@@ -15,7 +15,7 @@
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -53,6 +53,102 @@ void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, i
                 cs[g * Np + n] = s;
             }
     }
+}
+
+/* The min-max weight pass of the training step (train_grouped.cpp), whole rows at a time, in place of
+ * intqat_quantize_rows_dynamic over the (N * G, gs) view and then intqat_grouped_pack: for each (n, g)
+ *     s = max|W[n, group g]| / qmax, then s < eps ? eps : s       (absmax on the bit patterns: NaN wins)
+ *     q = clamp(nearbyint(W * float32(1 / s)), qmin, qmax)          as int8
+ * the same float32 operations as fused.c's pass (so the same codes and scales, bit for bit; the compare and
+ * blend clamp keeps a NaN, which truncates to code 0 as the scalar cast does), written as
+ *     q_w (N, K) int8 (what backward dequantizes), s_w (N, G), and the kernel's operands: bp and cs as
+ *     intqat_grouped_pack writes them, swt (G, Np) = s_wᵀ padded with zeros.
+ * Why: rows of 32 cost fused.c's pass a row setup each (absmax, reductions, prologue / epilogue of the
+ * vector loop) and the pack a byte at a time: together about the VNNI GEMM's own time at 128x256x768.
+ * AVX-512 (F, BW): 16 lanes, gs a multiple of 16; the caller (train_grouped.cpp) checks
+ * intqat_grouped_quantize_available() and otherwise runs the two passes. Np % 32 == 0. */
+int intqat_grouped_quantize_available(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void intqat_grouped_quantize_pack(const float *w, int64_t N, int64_t K, int64_t gs, float qmin, float qmax,
+                                  float eps, int8_t *q_w, float *s_w, int8_t *bp, int32_t *cs, float *swt,
+                                  int64_t Np) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const int64_t G = K / gs, KQ = K / 4;
+    const __m512i keep = _mm512_set1_epi32(0x7fffffff);
+    const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax);
+#pragma omp parallel for schedule(static) if (N * K >= 32768)
+    for (int64_t nb = 0; nb < Np / NB; nb++) {
+        int8_t *dst = bp + nb * KQ * 64;
+        for (int64_t j = 0; j < NB; j++) {
+            const int64_t n = nb * NB + j;
+            if (n >= N) {  /* padded columns: zero codes, sums and scales */
+                for (int64_t kq = 0; kq < KQ; kq++) memset(dst + kq * 64 + j * 4, 0, 4);
+                for (int64_t g = 0; g < G; g++) cs[g * Np + n] = 0, swt[g * Np + n] = 0.0f;
+                continue;
+            }
+            const float *wn = w + n * K;
+            int8_t *qn = q_w + n * K;
+            for (int64_t g = 0; g < G; g++) {
+                const float *wg = wn + g * gs;
+                __m512i m = _mm512_setzero_si512();
+                for (int64_t c = 0; c < gs; c += 16)
+                    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512((const void *)(wg + c)), keep));
+                const uint32_t abits = (uint32_t)_mm512_reduce_max_epu32(m);
+                float amax;
+                memcpy(&amax, &abits, 4);
+                float s = amax / qmax;
+                s = s < eps ? eps : s;
+                s_w[n * G + g] = s;
+                swt[g * Np + n] = s;
+                const __m512 inv = _mm512_set1_ps(1.0f / s), zero = _mm512_setzero_ps();
+                __m512i sum = _mm512_setzero_si512();
+                for (int64_t c = 0; c < gs; c += 16) {
+                    /* nearbyint (VRNDSCALEPS 0x0C: current mode, no exception, as gcc's nearbyintf) + 0.0f */
+                    const __m512 r = _mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(wg + c), inv),
+                                                                        0x0C), zero);
+                    __m512 q = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, lo, _CMP_LT_OQ), lo);
+                    q = _mm512_mask_mov_ps(q, _mm512_cmp_ps_mask(r, hi, _CMP_GT_OQ), hi);
+                    const __m512i code = _mm512_cvttps_epi32(q);  /* NaN -> INT32_MIN, low byte 0 */
+                    _mm_storeu_si128((__m128i *)(qn + g * gs + c), _mm512_cvtepi32_epi8(code));
+                    sum = _mm512_add_epi32(sum, _mm512_srai_epi32(_mm512_slli_epi32(code, 24), 24));
+                }
+                cs[g * Np + n] = _mm512_reduce_add_epi32(sum);
+            }
+            for (int64_t kq = 0; kq < KQ; kq++) memcpy(dst + kq * 64 + j * 4, qn + kq * 4, 4);
+        }
+    }
+#else
+    (void)w; (void)N; (void)K; (void)gs; (void)qmin; (void)qmax; (void)eps; (void)q_w; (void)s_w; (void)bp;
+    (void)cs; (void)swt; (void)Np;
+#endif
+}
+
+/* w_hat (N, K) fp32 = (float32(q_w) - 0) * s_w[n, g(k)]: fused.c's intqat_dequantize_rows over the (N * G, gs)
+ * view (z = 0), whole rows at a time; the same two float32 operations per element. */
+void intqat_grouped_dequantize(const int8_t *q_w, int64_t N, int64_t K, int64_t gs, const float *s_w, float *w_hat) {
+    const int64_t G = K / gs;
+#pragma omp parallel for schedule(static) if (N * K >= 32768)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t g = 0; g < G; g++) {
+            const float s = s_w[n * G + g];
+            const int8_t *q = q_w + n * K + g * gs;
+            float *o = w_hat + n * K + g * gs;
+            int64_t k = 0;
+#if defined(__AVX512F__)
+            const __m512 vs = _mm512_set1_ps(s), zero = _mm512_setzero_ps();
+            for (; k + 16 <= gs; k += 16) {
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k))));
+                _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_sub_ps(f, zero), vs));
+            }
+#endif
+            for (; k < gs; k++) o[k] = ((float)q[k] - 0.0f) * s;
+        }
 }
 
 #ifdef __AVX512VNNI__

@@ -25,56 +25,62 @@
 
 #include <cstdint>
 
-#include "digit_matmul.h"  // intqat::digit_matmul, intqat::dequantized
-#include "scratch.h"  // intqat::scratch
+#include "train_common.h"  // the fused passes, masks as bits, activation codes, the node's state, grad_w / grad_b
 
-extern "C" {  // fused.c, grouped_linear.c
-void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
-                          float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
-void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
-                                  int8_t *out, float *scale, int32_t *rowsum);
-void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
-void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
+extern "C" {  // grouped_linear.c
 void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, int64_t gs, int64_t Np, int8_t *bp,
                          int32_t *cs);
 void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *bp,
                                 const int32_t *cs, const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z,
                                 const float *s_x, int64_t sx_stride, const float *bias, float *y, int64_t ldy);
+int intqat_grouped_quantize_available(void);
+void intqat_grouped_quantize_pack(const float *w, int64_t N, int64_t K, int64_t gs, float qmin, float qmax,
+                                  float eps, int8_t *q_w, float *s_w, int8_t *bp, int32_t *cs, float *swt,
+                                  int64_t Np);
+void intqat_grouped_dequantize(const int8_t *q_w, int64_t N, int64_t K, int64_t gs, const float *s_w, float *w_hat);
 }
 
 namespace {
 
 using intqat::data_or_null;
 using intqat::scratch;
+using intqat::train::mask_zero_bits_;
+using intqat::train::packed;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-/* bool (n) -> bits ((n + 7) / 8,) uint8: intqat.ops.masks.pack_mask */
-at::Tensor packed(const at::Tensor &mask) {
-    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
-    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr(), mask.numel(), data_or_null<uint8_t>(bits));
-    return bits;
+/* The kernel's weight operands: bp (Np / 16, K / 4, 16, 4) int8, cs (G, Np) colsums, swt (G, Np) = s_wᵀ padded */
+struct Packed {
+    at::Tensor bp, cs, swt;
+};
+
+Packed packed_weight(int64_t N, int64_t K, int64_t G) {
+    const int64_t Np = (N + 31) / 32 * 32;
+    return {at::empty({Np * K}, at::TensorOptions().dtype(at::kChar)), at::empty({G, Np}, at::TensorOptions().dtype(at::kInt)),
+            at::empty({G, Np}, at::TensorOptions().dtype(at::kFloat))};
 }
 
-void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
-    if (bits.numel() && g.numel()) intqat_mask_zero_bits(data_or_null<float>(g), data_or_null<uint8_t>(bits), g.numel());
-}
+/* The whole-row min-max pass (grouped_linear.c) where this build has it: codes, scales and the packed operands in one */
+bool quantize_pack_in_one(int64_t gs) { return gs % 16 == 0 && intqat_grouped_quantize_available(); }
 
-/* y (M, N) through the per-group VNNI kernel: cpu_kernels.grouped_linear(fp32_codes=False), the same packs */
+/* y (M, N) through the per-group VNNI kernel: cpu_kernels.grouped_linear(fp32_codes=False), the same packs.
+ * p: the packed weight, already filled by the whole-row pass, or (filled = false) packed here from q_w, s_w. */
 at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const at::Tensor &s_w, int32_t z,
-                           const at::Tensor &s_x, const at::Tensor &bias, int64_t gs) {
-    const int64_t M = q_x.size(0), K = q_x.size(1), N = q_w.size(0), G = s_w.size(1);
+                           const at::Tensor &s_x, const at::Tensor &bias, int64_t gs, Packed &p, bool filled) {
+    const int64_t M = q_x.size(0), K = q_x.size(1), N = q_w.size(0);
     at::Tensor y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
     if (M == 0 || N == 0) return y;
-    const int64_t Np = (N + 31) / 32 * 32;
-    at::Tensor bp = at::empty({Np * K}, at::TensorOptions().dtype(at::kChar));
-    at::Tensor cs = at::empty({G, Np}, at::TensorOptions().dtype(at::kInt));
-    intqat_grouped_pack(data_or_null<int8_t>(q_w), N, K, K, gs, Np, data_or_null<int8_t>(bp), data_or_null<int32_t>(cs));
-    at::Tensor swt = at::zeros({G, Np}, at::TensorOptions().dtype(at::kFloat));
-    swt.narrow(1, 0, N).copy_(s_w.t());
-    intqat_grouped_linear_vnni(data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(bp), data_or_null<int32_t>(cs),
-                               data_or_null<float>(swt), N, Np, gs, z, data_or_null<float>(s_x),
-                               s_x.numel() == 1 ? 0 : 1, data_or_null<float>(bias), data_or_null<float>(y), N);
+    const int64_t Np = p.cs.size(1);
+    if (!filled) {
+        intqat_grouped_pack(data_or_null<int8_t>(q_w), N, K, K, gs, Np, data_or_null<int8_t>(p.bp),
+                            data_or_null<int32_t>(p.cs));
+        p.swt.zero_();
+        p.swt.narrow(1, 0, N).copy_(s_w.t());
+    }
+    intqat_grouped_linear_vnni(data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(p.bp),
+                               data_or_null<int32_t>(p.cs), data_or_null<float>(p.swt), N, Np, gs, z,
+                               data_or_null<float>(s_x), s_x.numel() == 1 ? 0 : 1, data_or_null<float>(bias),
+                               data_or_null<float>(y), N);
     return y;
 }
 
@@ -97,22 +103,13 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar);
         const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
         // activations (int_linear.quantize_activation)
-        at::Tensor q_x = at::empty({M, K}, i8), s_x, bits_x = at::empty({0}, at::TensorOptions().dtype(at::kByte));
-        if (x_dynamic) {
-            s_x = at::empty({M, 1}, f32);
-            if (M) intqat_quantize_rows_dynamic(data_or_null<float>(x), M, K, (float)x_qmin, (float)x_qmax, (float)eps,
-                                                data_or_null<int8_t>(q_x), data_or_null<float>(s_x), nullptr);
-        } else {
-            s_x = at::full({1, 1}, x_scale, f32);
-            at::Tensor mask = scratch("mask_x", {M * K}, at::kBool);
-            if (x.numel()) intqat_quantize_rows(data_or_null<float>(x), M, K, data_or_null<float>(s_x), 0, (float)z,
-                                                (float)x_qmin, (float)x_qmax, data_or_null<int8_t>(q_x),
-                                                (uint8_t *)mask.data_ptr(), nullptr);
-            bits_x = packed(mask);
-        }
+        at::Tensor q_x, s_x, bits_x;
+        std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax, eps);
         // weights per (row, group): each group one row of the (N * G, gs) view (quantize_weight_grouped)
         const at::Tensor w = weight.detach().to(at::kFloat).contiguous();
-        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = intqat::train::no_bits();
+        Packed p = packed_weight(N, K, G);
+        bool filled = false;
         const bool given = w_scale.has_value() && w_scale->defined();
         if (given) {
             s_w = w_scale->detach().to(at::kFloat, false, /*copy=*/true).contiguous();  // (N, G)
@@ -121,6 +118,13 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
                                                 (float)w_qmin, (float)w_qmax, data_or_null<int8_t>(q_w),
                                                 mask.defined() ? (uint8_t *)mask.data_ptr() : nullptr, nullptr);
             if (mask.defined()) bits_w = packed(mask);
+        } else if (quantize_pack_in_one(gs)) {  // symmetric min-max per group, whole rows: never clips, no mask
+            s_w = at::empty({N, G}, f32);
+            if (w.numel()) intqat_grouped_quantize_pack(data_or_null<float>(w), N, K, gs, (float)w_qmin, (float)w_qmax,
+                                                        (float)eps, data_or_null<int8_t>(q_w), data_or_null<float>(s_w),
+                                                        data_or_null<int8_t>(p.bp), data_or_null<int32_t>(p.cs),
+                                                        data_or_null<float>(p.swt), p.cs.size(1));
+            filled = w.numel() > 0;
         } else {  // symmetric min-max per group (the plan takes no other): never clips, no mask
             s_w = at::empty({N, G}, f32);
             if (w.numel()) intqat_quantize_rows_dynamic(data_or_null<float>(w), N * G, gs, (float)w_qmin, (float)w_qmax,
@@ -129,11 +133,8 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         }
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
-        at::Tensor y = grouped_forward(q_x, q_w, s_w, z, s_x, bias, gs);
-        ctx->save_for_backward({q_x, bits_x, q_w, bits_w, s_x, s_w});
-        ctx->saved_data["z"] = (int64_t)z;
-        ctx->saved_data["digits_w"] = digits_w;
-        ctx->saved_data["has_bias"] = bias.defined();
+        at::Tensor y = grouped_forward(q_x, q_w, s_w, z, s_x, bias, gs, p, filled);
+        intqat::train::save_step(ctx, q_x, bits_x, q_w, bits_w, s_x, s_w, z, /*digits_x=*/false, digits_w, bias.defined());
         return y;
     }
 
@@ -143,25 +144,22 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
         auto saved = ctx->get_saved_variables();
-        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
-                         &s_w = saved[5];
-        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
+        const at::Tensor &bits_x = saved[1], &q_w = saved[2], &s_w = saved[5];
         if (ctx->needs_input_grad(0)) {  // g @ w_hat, w_hat = dequantize_weight_grouped(q_w, s_w)
             const int64_t N = q_w.size(0), K = q_w.size(1), G = s_w.size(1);
-            at::Tensor w_hat = dequantized("w_hat", q_w.view({N * G, K / G}), s_w, 0, /*per_row=*/true).view({N, K});
+            at::Tensor w_hat;
+            if (quantize_pack_in_one(K / G)) {  // whole rows (grouped_linear.c): fused.c's per-row pass, same bits
+                w_hat = scratch("w_hat", {N, K}, at::kFloat);
+                intqat_grouped_dequantize(data_or_null<int8_t>(q_w), N, K, K / G, data_or_null<float>(s_w),
+                                          data_or_null<float>(w_hat));
+            } else {
+                w_hat = intqat::dequantized("w_hat", q_w.view({N * G, K / G}), s_w, 0, /*per_row=*/true).view({N, K});
+            }
             at::Tensor gx = at::mm(g, w_hat);
             mask_zero_bits_(gx, bits_x);
             out[0] = gx;
         }
-        if (ctx->needs_input_grad(1)) {
-            at::Tensor s = s_x.reshape({-1});
-            at::Tensor gw = ctx->saved_data["digits_w"].toBool()
-                                ? digit_matmul(g.t(), s, q_x, z)
-                                : at::mm(g.t(), dequantized("x_hat", q_x, s, z, /*per_row=*/s.numel() > 1));
-            mask_zero_bits_(gw, bits_w);
-            out[1] = gw;
-        }
-        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+        intqat::train::grad_weight_and_bias(ctx, g, saved, out);
         return out;
     }
 };

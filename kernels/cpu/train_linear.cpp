@@ -31,17 +31,10 @@
 
 #include <cstdint>
 
-#include "digit_matmul.h"  // intqat::digit_matmul, intqat::dequantized (the backward GEMMs' operands)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
-#include "scratch.h"  // intqat::scratch
+#include "train_common.h"  // the fused passes, masks as bits, activation codes, the node's state, grad_w / grad_b
 
 extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
-void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
-                          float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
-void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
-                                  int8_t *out, float *scale, int32_t *rowsum);
-void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
-void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 // int16_gemm.c (the avx2_int16 backend's linear; in every build, an aborting stub without AVX2, which the
@@ -70,22 +63,13 @@ using torch::autograd::variable_list;
 using intqat::dequantized;
 using intqat::digit_matmul;
 using intqat::scratch;
+using intqat::train::mask_zero_bits_;
+using intqat::train::packed;
 
 template <typename T>
 T *ptr(const at::Tensor &t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
 
 at::Tensor fp32_contiguous(const at::Tensor &t) { return t.to(at::kFloat).contiguous(); }
-
-/* bool (n) -> bits ((n + 7) / 8,) uint8: intqat.ops.masks.pack_mask */
-at::Tensor packed(const at::Tensor &mask) {
-    at::Tensor bits = at::empty({(mask.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
-    if (mask.numel()) intqat_pack_bits((const uint8_t *)mask.data_ptr() /* bool: one byte, 0 or 1 */, mask.numel(), ptr<uint8_t>(bits));
-    return bits;
-}
-
-void mask_zero_bits_(at::Tensor &g, const at::Tensor &bits) {  // g: a fresh contiguous fp32 result
-    if (bits.numel() && g.numel()) intqat_mask_zero_bits(ptr<float>(g), ptr<uint8_t>(bits), g.numel());
-}
 
 }  // namespace
 
@@ -107,21 +91,11 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
 
         // activations: static per-tensor (clip mask kept for the STE) or dynamic per-token (nothing clips)
-        at::Tensor q_x = at::empty({M, K}, i8), s_x, bits_x = at::empty({0}, at::TensorOptions().dtype(at::kByte));
-        if (x_dynamic) {
-            s_x = at::empty({M, 1}, f32);
-            if (M) intqat_quantize_rows_dynamic(ptr<float>(x), M, K, (float)x_qmin, (float)x_qmax, (float)eps,
-                                                ptr<int8_t>(q_x), ptr<float>(s_x), nullptr);
-        } else {
-            s_x = at::full({1, 1}, x_scale, f32);
-            at::Tensor mask = scratch("mask_x", {M * K}, at::kBool);
-            if (x.numel()) intqat_quantize_rows(ptr<float>(x), M, K, ptr<float>(s_x), 0, (float)z, (float)x_qmin,
-                                                (float)x_qmax, ptr<int8_t>(q_x), (uint8_t *)mask.data_ptr(), nullptr);
-            bits_x = packed(mask);
-        }
+        at::Tensor q_x, s_x, bits_x;
+        std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax, eps);
         // weights: symmetric per channel; a min-max scale (w_scale None) never clips
         at::Tensor w = fp32_contiguous(weight.detach());
-        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+        at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = intqat::train::no_bits();
         at::Tensor colsum = x_dynamic ? at::Tensor() : at::empty({N}, i32);
         if (w_scale.has_value() && w_scale->defined()) {
             s_w = w_scale->detach().reshape({-1}).to(at::kFloat, false, /*copy=*/true).contiguous();
@@ -172,11 +146,8 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
                                 ptr<float>(s_w), ptr<float>(b), ptr<float>(y));
             }
         }
-        ctx->save_for_backward({q_x, bits_x, q_w, bits_w, s_x, s_w});
-        ctx->saved_data["z"] = (int64_t)z;
-        ctx->saved_data["digits_x"] = digits_x;
-        ctx->saved_data["digits_w"] = digits_w;
-        ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+        intqat::train::save_step(ctx, q_x, bits_x, q_w, bits_w, s_x, s_w, z, digits_x, digits_w,
+                                 bias.has_value() && bias->defined());
         return y;
     }
 
@@ -186,9 +157,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
         auto saved = ctx->get_saved_variables();
-        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
-                         &s_w = saved[5];
-        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
+        const at::Tensor &q_w = saved[2], &bits_x = saved[1], &s_w = saved[5];
         if (ctx->needs_input_grad(0)) {
             at::Tensor gx = ctx->saved_data["digits_x"].toBool()
                                 ? digit_matmul(g, s_w, q_w, 0)
@@ -196,16 +165,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
             mask_zero_bits_(gx, bits_x);
             out[0] = gx;
         }
-        if (ctx->needs_input_grad(1)) {
-            at::Tensor s = s_x.reshape({-1});
-            at::Tensor gw = ctx->saved_data["digits_w"].toBool()
-                                ? digit_matmul(g.t(), s, q_x, z)
-                                : at::mm(g.t(), dequantized("x_hat", q_x, s, z, /*per_row=*/s.numel() > 1));
-            mask_zero_bits_(gw, bits_w);
-            out[1] = gw;
-        }
-        // (edges: x, weight, then bias only when given: ask about edge 2 only then)
-        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+        intqat::train::grad_weight_and_bias(ctx, g, saved, out);
         return out;
     }
 };
