@@ -8,6 +8,8 @@
  *     digit_matmul_amx(a, col_scale, q, z)   the same bits on AMX tiles (amx_digits.c: the planes accumulated and
  *                                        combined per 32x32 block; cpu_kernels.amx_digit_matmul's steps), for a
  *                                        caller the backend table sends to amx; only where intqat_amx_available()
+ *     amx_packed_b + digit_matmul_amx_packed   its two halves: q packed once, then the split and tile GEMM on any
+ *                                        row ranges (train_conv.cpp's grad_x: one thread per range of images)
  *     dequantized(role, q, scale, z, per_row)   (q - z) * scale per row or one scale, fp32, into this thread's
  *                                        scratch for `role` (an operand that dies in the next mm) */
 #ifndef INTQAT_DIGIT_MATMUL_H
@@ -56,12 +58,26 @@ inline at::Tensor digit_matmul(const at::Tensor &a, const at::Tensor &col_scale,
     return out;
 }
 
-inline at::Tensor digit_matmul_amx(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z,
-                                   at::Tensor out = at::Tensor() /* as digit_matmul's */) {
-    constexpr int64_t rows = 32, cols = 32, depth = 64;  // cpu_kernels.AMX_ROWS, AMX_COLS, AMX_DEPTH
-    const int64_t R = a.size(0), C = a.size(1), K = q.size(1);
-    const int64_t Rp = (R + rows - 1) / rows * rows, ld = (C + depth - 1) / depth * depth,
-                  Kp = (K + cols - 1) / cols * cols;
+constexpr int64_t AMX_ROWS = 32, AMX_COLS = 32, AMX_DEPTH = 64;  // cpu_kernels.AMX_ROWS, AMX_COLS, AMX_DEPTH
+
+/* q (C, K) int8 -> AMX's packed B (amx_digits.c's layout), into this thread's scratch for `role`; ld, Kp: the
+ * padded contraction depth and column count digit_matmul_amx_packed takes with it */
+inline at::Tensor amx_packed_b(const char *role, const at::Tensor &q, int64_t &ld, int64_t &Kp) {
+    const int64_t C = q.size(0), K = q.size(1);
+    ld = (C + AMX_DEPTH - 1) / AMX_DEPTH * AMX_DEPTH;
+    Kp = (K + AMX_COLS - 1) / AMX_COLS * AMX_COLS;
+    at::Tensor bpack = scratch(role, {ld * Kp}, at::kChar);
+    intqat_amx_pack_b(data_or_null<int8_t>(q), C, K, q.stride(0), ld, Kp, data_or_null<int8_t>(bpack));
+    return bpack;
+}
+
+/* (a * col_scale) @ (q - z) with q already packed (amx_packed_b, K columns): the split and the tile GEMM. Rows are
+ * independent (one shift and rowsum each), so a caller may run it on disjoint row ranges from several threads (the
+ * C kernels' OpenMP loops then run on the calling thread alone: nested regions are inactive) with the same bits. */
+inline at::Tensor digit_matmul_amx_packed(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &bpack,
+                                          int64_t ld, int64_t K, int32_t z, at::Tensor out = at::Tensor()) {
+    const int64_t R = a.size(0), C = a.size(1);
+    const int64_t Rp = (R + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     if (!out.defined()) out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
     if (R == 0 || K == 0) return out;
     at::Tensor digits = scratch("digits", {3, Rp, ld}, at::kChar);
@@ -71,12 +87,20 @@ inline at::Tensor digit_matmul_amx(const at::Tensor &a, const at::Tensor &col_sc
     intqat_split_digits(data_or_null<float>(a), R, C, a.stride(0), a.stride(1), data_or_null<float>(col_scale),
                         col_scale.numel() > 1 ? 1 : 0, data_or_null<int8_t>(digits), ld, Rp * ld,
                         data_or_null<int32_t>(shift), data_or_null<int32_t>(rowsum));
-    at::Tensor bpack = scratch("amx_b", {ld * Kp}, at::kChar);
-    intqat_amx_pack_b(data_or_null<int8_t>(q), C, K, q.stride(0), ld, Kp, data_or_null<int8_t>(bpack));
     intqat_amx_digit_gemm(data_or_null<int8_t>(digits), R, ld, data_or_null<int8_t>(bpack), K,
                           data_or_null<int32_t>(shift), data_or_null<int32_t>(rowsum), z, nullptr,
                           data_or_null<float>(out));
     return out;
+}
+
+inline at::Tensor digit_matmul_amx(const at::Tensor &a, const at::Tensor &col_scale, const at::Tensor &q, int32_t z,
+                                   at::Tensor out = at::Tensor() /* as digit_matmul's */) {
+    const int64_t R = a.size(0), K = q.size(1);
+    if (!out.defined()) out = at::empty({R, K}, at::TensorOptions().dtype(at::kFloat));
+    if (R == 0 || K == 0) return out;
+    int64_t ld = 0, Kp = 0;
+    const at::Tensor bpack = amx_packed_b("amx_b", q, ld, Kp);
+    return digit_matmul_amx_packed(a, col_scale, bpack, ld, K, z, out);
 }
 
 inline at::Tensor dequantized(const char *role, const at::Tensor &q, const at::Tensor &scale, int32_t z, bool per_row) {

@@ -297,6 +297,27 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
     const int64_t step = std::max<int64_t>(1, FOLD_CHUNK / std::max<int64_t>(per_image, 1));
     // the padded sums die in the copy below: scratch; the gradient itself is a fresh tensor in q_x's layout
     at::Tensor out = intqat::scratch("fold_out", {B, H + 2 * ph, W + 2 * pw, C}, at::kFloat).zero_();
+    if (amx) {
+        /* AMX: q_w_cols packed once; then one parallel region over images, each thread a contiguous range of
+         * images, chunk by chunk: the split, tile GEMM and fold of its own rows (disjoint outputs; each element the
+         * same operations in the same order as one call: the same bits). Per chunk, the three kernels' own
+         * parallel regions would each wake both threads for ~1 ms of work and leave the thread that folds
+         * fewer images idle (3 images per chunk at 128 channels on 8x8: 2 + 1). */
+        int64_t ld = 0, Kp = 0;
+        const int64_t K = wcols.size(1);
+        const at::Tensor bpack = intqat::amx_packed_b("amx_b_gx", wcols, ld, Kp);
+        at::parallel_for(0, B, 1, [&](int64_t i0, int64_t i1) {
+            for (int64_t b0 = i0; b0 < i1; b0 += step) {
+                const int64_t n = std::min(step, i1 - b0);
+                at::Tensor part = out.narrow(0, b0, n);
+                at::Tensor chunk = intqat::scratch("grad_cols", {n * Ho * Wo, K}, at::kFloat);  // this thread's
+                fold_into(intqat::digit_matmul_amx_packed(g_mat.narrow(0, b0 * Ho * Wo, n * Ho * Wo), s_w, bpack, ld,
+                                                          K, 0, chunk),
+                          part, Ho, Wo, C, kh, kw, stride, dilation);
+            }
+        });
+        return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+    }
     for (int64_t b0 = 0; b0 < B; b0 += step) {
         const int64_t n = std::min(step, B - b0);
         at::Tensor part = out.narrow(0, b0, n);
