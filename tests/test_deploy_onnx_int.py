@@ -3,7 +3,6 @@ fp32 epilogue after them, run in onnxruntime (CPU), equals the integer model bit
 preset x layer type; a model whose float ops onnxruntime computes in its own order (LayerNorm, softmax, GELU, means)
 is compared within a stated tolerance (docs/numerics.md, "ONNX forms")."""
 
-import warnings
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ pytest.importorskip("onnxruntime", reason="the ONNX tests need onnx, onnxscript,
 from intqat.deploy.onnx import export_onnx  # noqa: E402
 from intqat.deploy.onnx_runtime import run_session, session  # noqa: E402
 from intqat.deploy.qdq import _integer_copy  # noqa: E402
+from qat_helpers import integer  # noqa: E402
 
 EMB8 = {"bits": 8, "granularity": "channel"}
 PRESETS = {
@@ -55,18 +55,6 @@ class Layers(nn.Module):
 def layers_data(n: int = 8):
     return (torch.randint(0, 64, (n, 6)), torch.randn(n, 32), torch.randn(n, 5, 32), 2 * torch.randn(n, 4, 32),
             torch.randn(n, 3, 9, 9), torch.randn(n, 16, 6, 6))
-
-
-def integer(model: nn.Module, config, batches) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the census of what each preset leaves float)
-        intqat.prepare_qat(model, config)
-        model.train()
-        with torch.no_grad():
-            for b in batches:
-                model(*b)
-        intqat.to_integer(model)
-    return model.eval()
 
 
 def _run_equal(result, model, data, outputs=None):

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from intqat.deploy.qdq import qdq_layers, to_qdq
 
 pytest.importorskip("executorch", reason="the .pte tests need ExecuTorch (pip install 'intqat[deploy]')")
 from intqat.deploy.executorch import export_pte, load_pte, run_pte  # noqa: E402
+from qat_helpers import integer  # noqa: E402
 
 MAX_STEPS = 6.0
 MIN_AGREEMENT = 0.95
@@ -66,18 +66,6 @@ class Zoo(nn.Module):
 
 def zoo_data(n: int = 16):
     return torch.randint(0, 64, (n, 8)), torch.randn(n, 3, 8, 8)
-
-
-def integer(model: nn.Module, config, batches) -> nn.Module:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the census of what each preset leaves float)
-        intqat.prepare_qat(model, config)
-        model.train()
-        with torch.no_grad():
-            for b in batches:
-                model(*b)
-        intqat.to_integer(model)
-    return model.eval()
 
 
 def _census(result) -> dict[str, str]:

@@ -53,6 +53,19 @@ def _new(graph: torch.fx.Graph, target, args: tuple, like: torch.fx.Node, **kwar
     return node
 
 
+def _replace(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node) -> None:
+    """Every use of node now reads new; node leaves the graph."""
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def _recompiled(program: ExportedProgram, n: int) -> int:
+    """A pass's epilogue: regenerate the module's code if the pass rewrote anything (n nodes); returns n."""
+    if n:
+        program.graph_module.recompile()
+    return n
+
+
 def _static(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -91,12 +104,9 @@ def unmask_sdpa(program: ExportedProgram) -> int:
             lbhd = _new(graph, aten.clone.default, (_new(graph, aten.permute.default, (o4, [2, 0, 1, 3]), node),), node,
                         memory_format=torch.contiguous_format)
             out = _new(graph, aten.permute.default, (lbhd, [1, 2, 0, 3]), node)  # (B, H, L, Dv), SDPA's strides
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _replace(graph, node, out)
         n += 1
-    if n:
-        program.graph_module.recompile()
-    return n
+    return _recompiled(program, n)
 
 
 def static_reshapes(program: ExportedProgram) -> int:
@@ -172,12 +182,9 @@ def decompose_layer_norms(program: ExportedProgram) -> int:
                 y = _new(graph, aten.mul.Tensor, (y, weight), node)
             if bias is not None:
                 y = _new(graph, aten.add.Tensor, (y, bias), node)
-        node.replace_all_uses_with(y)
-        graph.erase_node(node)
+        _replace(graph, node, y)
         n += 1
-    if n:
-        program.graph_module.recompile()
-    return n
+    return _recompiled(program, n)
 
 
 def means_as_4d(program: ExportedProgram) -> int:
@@ -206,12 +213,9 @@ def means_as_4d(program: ExportedProgram) -> int:
             xp = x if kept + red == [0, 1, 2] else _new(graph, aten.permute.default, (x, kept + red), node)
             x4 = _new(graph, aten.view.default, (xp, k4 + [r, 1]), node)  # (K1, K2, R, 1)
             y = _new(graph, aten.view.default, (_mean4(graph, x4, node), out), node)
-        node.replace_all_uses_with(y)
-        graph.erase_node(node)
+        _replace(graph, node, y)
         n += 1
-    if n:
-        program.graph_module.recompile()
-    return n
+    return _recompiled(program, n)
 
 
 def rewrite_quantized_for_xnnpack(program: ExportedProgram) -> dict[str, int]:
@@ -346,6 +350,4 @@ def split_packed_projections(program: ExportedProgram) -> int:
         graph.eliminate_dead_code()
         _drop_unused_constants(program, [*w_parts, *([b] if b is not None else [])])
         n += 1
-    if n:
-        program.graph_module.recompile()
-    return n
+    return _recompiled(program, n)
