@@ -264,3 +264,43 @@ def test_not_taken_while_tracing(fused_count):
     program = torch.export.export(layer, (torch.randn(40, 16),))
     assert fused_count["ran"] == 0
     assert "observed_int_linear" not in str(program.graph)
+
+
+@pytest.mark.parametrize("M,K", [(4, 16), (3, 5), (1, 7), (1, 8), (3, 3), (5, 5), (5, 31), (600, 256)])
+def test_static_codes_and_mask_bits_in_one_pass_equal_the_two_passes(M, K):
+    """kernels/cpu/quantize_bits.h (the C++ step's static activation codes and clip-mask bits) against fused.c's
+    quantize + pack passes (the Python path's): ties, values on and past the clip edges, NaN / inf, ragged tails
+    (M * K not a multiple of 16 or 8), and a threaded size (600 x 256). y and grad_x (which reads the bits)."""
+    from intqat.ops.int_linear import int_linear
+
+    _runs_here()
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    s, zp = 0.05, 3.0
+    x = torch.randn(M, K, generator=g) * 4
+    flat = x.view(-1)
+    specials = [(torch.arange(-140, 140, dtype=torch.float32) + 0.5 - zp) * s,  # ties around every code
+                torch.tensor([(-128 - zp) * s, (127 - zp) * s, (-128.5 - zp) * s, (127.5 - zp) * s, 1e9, -1e9,
+                              float("nan"), float("inf"), -float("inf"), 0.0, -0.0])]
+    vals = torch.cat(specials)
+    vals = vals[torch.randperm(vals.numel(), generator=g)]  # (a small x gets some of each kind)
+    idx = torch.randperm(flat.numel(), generator=g)[: min(flat.numel(), vals.numel())]
+    flat[idx] = vals[: idx.numel()]
+    w = torch.randn(6, K, generator=g)
+    args = (torch.tensor([s]), torch.tensor([zp]), None)
+    kw = dict(x_qmin=-128, x_qmax=127, w_qmin=-127, w_qmax=127, x_dynamic=False, w_clip_mask=False,
+              grad_gemm="fp32")
+    out = []
+    for off in (False, True):
+        xa = x.clone().requires_grad_()
+        with backends.recording() as ran:
+            if off:
+                with cpp_step.disabled():
+                    y = int_linear(xa, w, None, *args, **kw)
+            else:
+                y = int_linear(xa, w, None, *args, **kw)
+        y.backward(torch.ones_like(y))
+        out.append((y.detach(), xa.grad, ran[("linear_step", "cpp_step")]))
+    (y_cpp, gx_cpp, n_cpp), (y_py, gx_py, n_py) = out
+    assert n_cpp == 1 and n_py == 0
+    assert torch.equal(y_cpp.isnan(), y_py.isnan()) and torch.equal(y_cpp.nan_to_num(), y_py.nan_to_num())
+    assert torch.equal(gx_cpp, gx_py)

@@ -36,6 +36,7 @@
 
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "observe.h"  // intqat::train::observe_update, one_float
+#include "quantize_bits.h"  // intqat::train::quantize_bits: static codes and mask bits in one pass
 #include "train_common.h"  // the fused passes, masks as bits, activation codes, the node's state, grad_w / grad_b
 
 extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
@@ -97,7 +98,16 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
 
         // activations: static per-tensor (clip mask kept for the STE) or dynamic per-token (nothing clips)
         at::Tensor q_x, s_x, bits_x;
-        std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax, eps);
+        if (!x_dynamic && x.numel() && intqat::train::quantize_bits_available()) {  // codes and bits in one pass
+            q_x = at::empty({M, K}, i8);
+            s_x = at::full({1, 1}, x_scale, f32);
+            bits_x = at::empty({(M * K + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+            intqat::train::quantize_bits(ptr<float>(x), M * K, *ptr<float>(s_x), (float)z, (float)x_qmin,
+                                         (float)x_qmax, ptr<int8_t>(q_x), ptr<uint8_t>(bits_x));
+        } else {
+            std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax,
+                                                                            eps);
+        }
         // weights: symmetric per channel; a min-max scale (w_scale None) never clips
         at::Tensor w = fp32_contiguous(weight.detach());
         at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = intqat::train::no_bits();
