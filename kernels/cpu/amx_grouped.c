@@ -98,7 +98,7 @@ static void block_16x16(const int8_t *a, int64_t lda, const int8_t *b, int64_t G
     __attribute__((aligned(64))) int32_t acc[4][16][16];
     __m512 t[16];
     for (int r = 0; r < 16; ++r) t[r] = _mm512_setzero_ps();
-    GROUPS_OF_FOUR(0);
+    if (G > 0) GROUPS_OF_FOUR(0); /* (K = 0: no groups, t stays 0, y = 0 * s_x + b as the VNNI kernel's) */
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t n = G - g0 < 4 ? G - g0 : 4;
         _tile_stored(0, acc[0], 64);
@@ -125,7 +125,7 @@ void intqat_amx_grouped_linear(const int8_t *q_x, int64_t M, int64_t K, int64_t 
     const int64_t G = K / gs, depth = tile_depth(gs), full = M / 16, row_blocks = (M + 15) / 16;
     const int64_t col_blocks = (N + 15) / 16, bstride = (K / 4) * 64;
     int8_t *tail = NULL; /* the last M % 16 rows, zero-padded to 16: no tile load reads past q_x */
-    if (M % 16) {
+    if (M % 16 && K > 0) {
         tail = (int8_t *)calloc((size_t)(16 * K), 1);
         if (!tail) abort();
         for (int64_t r = 0; r < M % 16; ++r) memcpy(tail + r * K, q_x + (full * 16 + r) * ldx, (size_t)K);

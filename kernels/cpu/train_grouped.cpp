@@ -59,15 +59,17 @@ using intqat::train::packed;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-/* The kernel's weight operands: bp (Np / 16, K / 4, 16, 4) int8, cs (G, Np) colsums, swt (G, Np) = s_wᵀ padded */
+/* The kernel's weight operands: bp (Np / 16, K / 4, 16, 4) int8, cs (G, Np) colsums, swt (G, Np) = s_wᵀ padded.
+ * They die in the forward: this thread's scratch buffers (a fresh bp and y of a 768 x 256 layer page-faulted on
+ * every step). */
 struct Packed {
     at::Tensor bp, cs, swt;
 };
 
 Packed packed_weight(int64_t N, int64_t K, int64_t G) {
     const int64_t Np = (N + 31) / 32 * 32;
-    return {at::empty({Np * K}, at::TensorOptions().dtype(at::kChar)), at::empty({G, Np}, at::TensorOptions().dtype(at::kInt)),
-            at::empty({G, Np}, at::TensorOptions().dtype(at::kFloat))};
+    return {scratch("grouped_bp", {Np * K}, at::kChar), scratch("grouped_cs", {G, Np}, at::kInt),
+            scratch("grouped_swt", {G, Np}, at::kFloat)};
 }
 
 /* The whole-row min-max pass (grouped_linear.c) where this build has it: codes, scales and the packed operands in one */
