@@ -48,7 +48,8 @@ def _same_bits(q_x, q_w, s_w, z, s_x, bias):
 @pytest.mark.parametrize("M,K,N,gs", [
     (1, 32, 1, 32), (15, 32, 17, 32), (16, 64, 16, 32), (17, 96, 47, 32), (33, 96, 10, 96), (40, 256, 20, 128),
     (31, 64, 33, 64), (128, 256, 768, 32), (130, 768, 36, 32), (5, 12, 3, 4), (18, 1024, 16, 8)])
-@pytest.mark.parametrize("z,per_token,bias", [(0, True, False), (0, True, True), (-5, False, True), (127, False, False)])
+@pytest.mark.parametrize("z,per_token,bias",
+                         [(0, True, False), (0, True, True), (-5, False, True), (127, False, False)])
 def test_amx_kernel_gives_the_reference_bits(M, K, N, gs, z, per_token, bias):
     q_x, q_w, s_w, s_x, b = _operands(M, K, N, gs, per_token, seed=M + K + N)
     _same_bits(q_x, q_w, s_w, z, s_x, b if bias else None)

@@ -115,7 +115,8 @@ _load_tried = False
 _switch = OffSwitch()
 
 
-_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c")  # compiled together into one library
+# compiled together into one library
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c")
 
 
 def _sources() -> list[Path]:

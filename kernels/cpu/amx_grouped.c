@@ -16,7 +16,7 @@
  *   q_x  int8 (M, K), row stride ldx    activation codes (signed: TDPBSSD multiplies signed by signed bytes)
  *   bp   int8 (Np / 16, K / 4, 16, 4)   q_w packed: each 64-byte line four consecutive k of 16 columns, which is
  *                                       AMX's B layout (amx.h): a group's B tile is gs / 4 lines, stride 64
- *   cs   int32 (G, Np), swt fp32 (G, Np)  group column sums, s_wᵀ padded with zeros
+ *   cs   int32 (G, Np), swt fp32 (G, Np)  group column sums (read only when z_x != 0), s_wᵀ padded with zeros
  * One tile step contracts `depth` bytes: gs itself when gs <= 64, else the largest multiple of 4 <= 64 dividing gs
  * (so K = 32, 64, 96 ... all run; gs % 4 == 0). Rows past M: the last partial block of rows is read from a
  * zero-padded 16-row copy; columns past N are computed (zero codes) and not written.
@@ -141,8 +141,8 @@ void intqat_amx_grouped_linear(const int8_t *q_x, int64_t M, int64_t K, int64_t 
                 const int in_tail = rb >= full;
                 const int rows = M - m0 < 16 ? (int)(M - m0) : 16, cols = N - n0 < 16 ? (int)(N - n0) : 16;
                 block_16x16(in_tail ? tail : q_x + m0 * ldx, in_tail ? K : ldx, bp + cb * bstride, G, gs, depth,
-                            cs + n0, swt + n0, Np, z, s_x + m0 * sx_stride, sx_stride, bias ? bias + n0 : NULL,
-                            y + m0 * ldy + n0, ldy, rows, cols);
+                            z ? cs + n0 : NULL, swt + n0, Np, z, s_x + m0 * sx_stride, sx_stride,
+                            bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy, rows, cols);
             }
         _tile_release();
     }

@@ -135,10 +135,12 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
             if (mask.defined()) bits_w = packed(mask);
         } else if (quantize_pack_in_one(gs)) {  // symmetric min-max per group, whole rows: never clips, no mask
             s_w = at::empty({N, G}, f32);
+            // (the AMX kernel reads the column sums only with a zero point: without one they are not made)
+            int32_t *cs = gemm == AMX && z == 0 ? nullptr : data_or_null<int32_t>(p.cs);
             if (w.numel()) intqat_grouped_quantize_pack(data_or_null<float>(w), N, K, gs, (float)w_qmin, (float)w_qmax,
                                                         (float)eps, data_or_null<int8_t>(q_w), data_or_null<float>(s_w),
-                                                        data_or_null<int8_t>(p.bp), data_or_null<int32_t>(p.cs),
-                                                        data_or_null<float>(p.swt), p.cs.size(1));
+                                                        data_or_null<int8_t>(p.bp), cs, data_or_null<float>(p.swt),
+                                                        p.cs.size(1));
             filled = w.numel() > 0;
         } else {  // symmetric min-max per group (the plan takes no other): never clips, no mask
             s_w = at::empty({N, G}, f32);
