@@ -29,9 +29,9 @@ AMX_FORWARD_MIN_MACS = 2**24
 # (M = 256, K = N = 1024: grad_w 0.51x, grad_x 0.42x); a batch of 32 was 1.2x-2.3x slower (its output write dominates).
 AMX_DIGITS_MIN_M = 128
 AMX_DIGITS_MIN_MACS = 2**26
-# The AMX per-group forward against the VNNI kernel (cpu_fused), same Xeon, 1 thread, group 32: 0.53x-0.66x from
-# M = 16 (a tile's rows) at the Llama block's layers (128 x 256 x 768: 0.083 vs 0.142 ms); 1.1x-1.8x below (M = 4:
-# 12 of a tile's 16 rows are padding).
+# The AMX per-group forward against the VNNI kernel (cpu_fused), same Xeon, group 32: 0.54x-0.60x at the Llama
+# block's layers (1 thread; 128 x 256 x 768: 0.077 vs 0.136 ms; 0.59x-0.71x at 2 threads), 0.75x at M = 16 (a tile's
+# rows); 1.2x-1.8x below (M = 4: 12 of a tile's 16 rows are padding).
 AMX_GROUPED_MIN_M = 16
 
 
