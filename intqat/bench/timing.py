@@ -171,9 +171,12 @@ def backends_used(run: Callable[[], object]) -> str:
     together, e.g. 'linear=fp32_exact passes=cpu_fused' ('-': no intqat primitive ran)."""
     with backends.recording() as ran:
         run()
-    gemms = {p: b for (p, b) in ran if p in _GEMM_PRIMITIVES}
+    gemms: dict[str, set] = {}  # (a primitive the table put on two backends by shape: both, e.g. amx+cpu_fused)
+    for p, b in ran:
+        if p in _GEMM_PRIMITIVES:
+            gemms.setdefault(p, set()).add(b)
     passes = sorted({b for (p, b) in ran if p not in _GEMM_PRIMITIVES and p not in _STEP_PRIMITIVES})
-    parts = [f"{p}={b}" for p, b in sorted(gemms.items())]
+    parts = [f"{p}={'+'.join(sorted(bs))}" for p, bs in sorted(gemms.items())]
     if any(p in _STEP_PRIMITIVES and b == "cpp_step" for p, b in ran):
         parts.append("step=C++")  # a layer's forward and backward through the C++ op (backend cpp_step)
     if passes:

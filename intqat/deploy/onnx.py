@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from intqat.deploy._require import require
 from intqat.deploy.onnx_census import census, float_of, integer_layers, layer_ops, refused_layer
+from intqat.deploy.onnx_graph import float_translations, residual_adds_as_sum
 from intqat.deploy.onnx_report import OnnxLayer, OnnxResult
 from intqat.deploy.onnx_runtime import compare, ort_graph, session
 
@@ -72,7 +73,8 @@ def _to_onnx(program, args: tuple, opset: int, table: dict):
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         onnx_program = torch.onnx.export(program, args, dynamo=True, opset_version=opset,
-                                         custom_translation_table=table, optimize=True, verbose=False)
+                                         custom_translation_table=float_translations() | table, optimize=True, verbose=False)
+    residual_adds_as_sum(onnx_program.model)  # (onnx_graph: onnxruntime's SkipLayerNormalization is the slower form)
     return onnx_program.model
 
 

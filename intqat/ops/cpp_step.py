@@ -109,8 +109,8 @@ def disabled_depth() -> int:
 
 
 # The forward GEMMs the ops can run, by the backend whose kernel it is -> the ops' `gemm` argument
-# torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd, AMX tiles (the linear op only: the table never runs a conv's
-# int_mm on amx, which does not implement int_mm)
+# torch._int_mm (int8 dot-product CPUs), AVX2 vpmaddwd, AMX tiles (the linear and per-group ops: the table never runs
+# a conv's int_mm on amx, which does not implement int_mm)
 LINEAR_GEMMS = {"cpu_fused": 0, "avx2_int16": 1, "amx": 2}
 CONV_ONEDNN = 2  # the conv op's `gemm` for oneDNN's int8 conv (backend onednn_conv), no im2col
 _linear_op = None
@@ -150,14 +150,15 @@ def run_conv(gemm: int, digits_x: bool, digits_w: bool, digits_amx: bool, x: Ten
 
 def run_grouped(digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None, w_scale: Tensor | None,
                 x_scale: float, z_x: int, group_size: int, x_qmin: int, x_qmax: int, w_qmin: int, w_qmax: int,
-                x_dynamic: bool, w_clip_mask: bool) -> Tensor:
+                x_dynamic: bool, w_clip_mask: bool, gemm: int = 0) -> Tensor:
     """y (M, N) through intqat_train::int_linear_grouped (kernels/cpu/train_grouped.cpp); x2d (M, K) fp32 row-major.
-    digits_w: grad_w as a digit GEMM (digit_gemm.py)."""
+    digits_w: grad_w as a digit GEMM (digit_gemm.py); gemm: LINEAR_GEMMS' code of the per-group forward kernel
+    (cpu_fused: VNNI, amx: tiles)."""
     global _grouped_op
     if _grouped_op is None:
         _grouped_op = torch.ops.intqat_train.int_linear_grouped.default
     return _grouped_op(x2d, weight, bias, w_scale, x_scale, z_x, group_size, x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic,
-                       w_clip_mask, digits_w, SCALE_EPS)
+                       w_clip_mask, gemm, digits_w, SCALE_EPS)
 
 
 def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, zero_point: Tensor,

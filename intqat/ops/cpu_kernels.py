@@ -56,6 +56,7 @@ __all__ = [
     "int16_linear_grouped",
     "kernel_march",
     "grouped_vnni_available",
+    "amx_grouped_available",
     "grouped_linear",
 ]
 
@@ -96,6 +97,8 @@ _SIGNATURES = {
     "intqat_grouped_pack": [_P, _I, _I, _I, _I, _I, _P, _P],
     # q_x, M, K, ldx, bp, cs, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
     "intqat_grouped_linear_vnni": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
+    # (amx_grouped.c) the same operands as intqat_grouped_linear_vnni
+    "intqat_amx_grouped_linear": [_P, _I, _I, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
     # q_x, M, K, ldx, wt, swt, N, Np, gs, z, s_x, sx_stride, bias, y, ldy
     "intqat_grouped_linear_f32": [_P, _I, _I, _I, _P, _P, _I, _I, _I, ctypes.c_int32, _P, _I, _P, _P, _I],
     # q_x, M, K, q_w, N, z_x, colsum, s_x, sx_stride, s_w, bias, a pack, b pack, y
@@ -112,7 +115,8 @@ _load_tried = False
 _switch = OffSwitch()
 
 
-_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c")  # compiled together into one library
+# compiled together into one library
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c")
 
 
 def _sources() -> list[Path]:
@@ -539,16 +543,22 @@ def int16_linear_grouped(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Ten
 # ---------------------------------------------------------------------------------------------
 
 
+def amx_grouped_available() -> bool:
+    """The library's per-group AMX kernel was built and Linux granted this process the AMX state."""
+    return _library_says("intqat_amx_grouped_available")
+
+
 def grouped_vnni_available() -> bool:
     """The library's per-group kernel was built with AVX512-VNNI."""
     return _library_says("intqat_grouped_has_vnni")
 
 
 def grouped_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, bias: Tensor | None,
-                   fp32_codes: bool) -> Tensor:
+                   fp32_codes: bool, amx: bool = False) -> Tensor:
     """y (M, N) of the per-group integer linear, the same bits as `grouped_reference`. fp32_codes: the
-    kernel for CPUs without int8 dot products (exact fp32 multiply-adds of the codes); else VNNI
-    (call only if `grouped_vnni_available()` and the group size is a multiple of 4)."""
+    kernel for CPUs without int8 dot products (exact fp32 multiply-adds of the codes); amx: the AMX tile kernel
+    (kernels/cpu/amx_grouped.c; call only if `amx_grouped_available()`); else VNNI (call only if
+    `grouped_vnni_available()`). The int8 kernels need a group size that is a multiple of 4."""
     M, K = q_x.shape
     N, G = s_w.shape
     gs = K // G
@@ -559,15 +569,16 @@ def grouped_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, b
     sx_stride = 0 if s_x.numel() == 1 else 1
     if M == 0 or N == 0:
         return y
-    if not fp32_codes:
+    if not fp32_codes:  # both int8 kernels take the same packed operands (grouped_linear.c's pack)
         Np = -(-N // 32) * 32
         bp = torch.empty(Np * K, dtype=torch.int8)
         cs = torch.empty(G, Np, dtype=torch.int32)
         _lib.intqat_grouped_pack(q_w.data_ptr(), N, K, K, gs, Np, bp.data_ptr(), cs.data_ptr())
         swt = torch.zeros(G, Np, dtype=torch.float32)
         swt[:, :N] = s_w.detach().t()
-        _lib.intqat_grouped_linear_vnni(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np,
-                                        gs, z, s_x.data_ptr(), sx_stride, _ptr(bias), y.data_ptr(), N)
+        kernel = _lib.intqat_amx_grouped_linear if amx else _lib.intqat_grouped_linear_vnni
+        kernel(q_x.data_ptr(), M, K, K, bp.data_ptr(), cs.data_ptr(), swt.data_ptr(), N, Np, gs, z, s_x.data_ptr(),
+               sx_stride, _ptr(bias), y.data_ptr(), N)
     else:
         Np = -(-N // 64) * 64
         # (K, Np) fp32 codes: transposed as int8 first (1 byte an element moved, not 4), then widened;

@@ -59,12 +59,15 @@ void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, i
  * intqat_quantize_rows_dynamic over the (N * G, gs) view and then intqat_grouped_pack: for each (n, g)
  *     s = max|W[n, group g]| / qmax, then s < eps ? eps : s       (absmax on the bit patterns: NaN wins)
  *     q = clamp(nearbyint(W * float32(1 / s)), qmin, qmax)          as int8
- * the same float32 operations as fused.c's pass (so the same codes and scales, bit for bit; the compare and
- * blend clamp keeps a NaN, which truncates to code 0 as the scalar cast does), written as
+ * the same float32 operations as fused.c's pass (so the same codes and scales, bit for bit; the clamp keeps a
+ * NaN, which truncates to code 0 as the scalar cast does), written as
  *     q_w (N, K) int8 (what backward dequantizes), s_w (N, G), and the kernel's operands: bp and cs as
  *     intqat_grouped_pack writes them, swt (G, Np) = s_wᵀ padded with zeros.
  * Why: rows of 32 cost fused.c's pass a row setup each (absmax, reductions, prologue / epilogue of the
- * vector loop) and the pack a byte at a time: together about the VNNI GEMM's own time at 128x256x768.
+ * vector loop) and the pack a byte at a time: together about the VNNI GEMM's own time at 128x256x768; and per
+ * row, the two horizontal reductions and two scalar divisions of each group cost as much as its 32 codes
+ * (hence sixteen rows at a time, below).
+ * cs NULL: no column sums (the AMX kernel reads them only with a zero point).
  * AVX-512 (F, BW): 16 lanes, gs a multiple of 16; the caller (train_grouped.cpp) checks
  * intqat_grouped_quantize_available() and otherwise runs the two passes. Np % 32 == 0. */
 int intqat_grouped_quantize_available(void) {
@@ -75,52 +78,129 @@ int intqat_grouped_quantize_available(void) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* Index vectors of _mm512_permutex2var_epi32 (lanes 16-31 are the second operand's 0-15).
+ * REDUCE_*[r]: round r of reduce16 turns vectors of R = 2^r rows x P = 16 / R partial results into vectors of 2R
+ * rows x P / 2, keeping the rows in order: row r' of the pair (r' < R: the first vector's row r', else the second's
+ * row r' - R), partial p' at lane r' P / 2 + p' takes partials p' (LO) and p' + P / 2 (HI) of that row.
+ * TRANSPOSE_*[r]: round b = 2^r of a 16 x 16 int32 transpose, rows i and i + b (i & b == 0): the off-diagonal
+ * b-wide blocks swap (the four rounds compose to the transpose; amx_linear.c's pack uses the same rounds). */
+static const int32_t REDUCE_LO[4][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+static const int32_t REDUCE_HI[4][16] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+    {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+static const int32_t TRANSPOSE_LO[4][16] = {
+    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}};
+static const int32_t TRANSPOSE_HI[4][16] = {
+    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31},
+    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+
+/* v[j] (16 lanes each, j < 16) -> one vector whose lane j is the unsigned max (is_max) or the sum of v[j]'s lanes:
+ * 15 pairings of two permutes and one max / add, where a reduction per vector costs ~8 operations each. */
+static inline __attribute__((always_inline)) __m512i reduce16(__m512i v[16], int is_max) {
+    for (int r = 0, n = 16; n > 1; ++r, n /= 2) {
+        const __m512i lo = _mm512_loadu_si512((const void *)REDUCE_LO[r]);
+        const __m512i hi = _mm512_loadu_si512((const void *)REDUCE_HI[r]);
+        for (int i = 0; i < n / 2; ++i) {
+            const __m512i a = _mm512_permutex2var_epi32(v[2 * i], lo, v[2 * i + 1]);
+            const __m512i b = _mm512_permutex2var_epi32(v[2 * i], hi, v[2 * i + 1]);
+            v[i] = is_max ? _mm512_max_epu32(a, b) : _mm512_add_epi32(a, b);
+        }
+    }
+    return v[0];
+}
+
+static inline __attribute__((always_inline)) void transpose16(__m512i v[16]) {
+    for (int r = 0, b = 1; r < 4; ++r, b *= 2) {
+        const __m512i lo = _mm512_loadu_si512((const void *)TRANSPOSE_LO[r]);
+        const __m512i hi = _mm512_loadu_si512((const void *)TRANSPOSE_HI[r]);
+        for (int i = 0; i < 16; ++i) {
+            if (i & b) continue;
+            const __m512i x = v[i], y = v[i + b];
+            v[i] = _mm512_permutex2var_epi32(x, lo, y);
+            v[i + b] = _mm512_permutex2var_epi32(x, hi, y);
+        }
+    }
+}
+#endif
+
+/* Sixteen rows (one column block of bp) at a time: each group's 16 absolute maxima and 16 code sums are reduced
+ * together (reduce16), the 16 scales and their reciprocals are one vector division each (IEEE: the bits of the
+ * scalar divisions), swt's and cs's 16 columns are one store each, and the block's codes are packed by 16 x 16
+ * int32 transposes of 64-byte row chunks (a chunk of 16 rows is 16 lines of bp). The per-element operations are
+ * the same float32 operations as before; the clamp is max(lo, r) then min(hi, .) (MAXPS / MINPS return their
+ * second operand when one is NaN: a NaN stays NaN, as the compare-and-blend kept it), and the "+ 0.0f" that made
+ * -0 into +0 is gone: both convert to code 0. */
 void intqat_grouped_quantize_pack(const float *w, int64_t N, int64_t K, int64_t gs, float qmin, float qmax,
                                   float eps, int8_t *q_w, float *s_w, int8_t *bp, int32_t *cs, float *swt,
                                   int64_t Np) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     const int64_t G = K / gs, KQ = K / 4;
     const __m512i keep = _mm512_set1_epi32(0x7fffffff);
-    const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax);
+    const __m512 lo = _mm512_set1_ps(qmin), hi = _mm512_set1_ps(qmax), vqmax = _mm512_set1_ps(qmax);
+    const __m512 veps = _mm512_set1_ps(eps), one = _mm512_set1_ps(1.0f);
 #pragma omp parallel for schedule(static) if (N * K >= 32768)
     for (int64_t nb = 0; nb < Np / NB; nb++) {
-        int8_t *dst = bp + nb * KQ * 64;
-        for (int64_t j = 0; j < NB; j++) {
-            const int64_t n = nb * NB + j;
-            if (n >= N) {  /* padded columns: zero codes, sums and scales */
-                for (int64_t kq = 0; kq < KQ; kq++) memset(dst + kq * 64 + j * 4, 0, 4);
-                for (int64_t g = 0; g < G; g++) cs[g * Np + n] = 0, swt[g * Np + n] = 0.0f;
-                continue;
-            }
-            const float *wn = w + n * K;
-            int8_t *qn = q_w + n * K;
-            for (int64_t g = 0; g < G; g++) {
-                const float *wg = wn + g * gs;
+        const int64_t n0 = nb * NB;
+        const int rows = N - n0 >= NB ? NB : N - n0 > 0 ? (int)(N - n0) : 0;
+        const __mmask16 valid = (__mmask16)((1u << rows) - 1);
+        for (int64_t g = 0; g < G; g++) {
+            __m512i v[16];
+            for (int j = 0; j < 16; j++) {
                 __m512i m = _mm512_setzero_si512();
-                for (int64_t c = 0; c < gs; c += 16)
-                    m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512((const void *)(wg + c)), keep));
-                const uint32_t abits = (uint32_t)_mm512_reduce_max_epu32(m);
-                float amax;
-                memcpy(&amax, &abits, 4);
-                float s = amax / qmax;
-                s = s < eps ? eps : s;
-                s_w[n * G + g] = s;
-                swt[g * Np + n] = s;
-                const __m512 inv = _mm512_set1_ps(1.0f / s), zero = _mm512_setzero_ps();
-                __m512i sum = _mm512_setzero_si512();
-                for (int64_t c = 0; c < gs; c += 16) {
-                    /* nearbyint (VRNDSCALEPS 0x0C: current mode, no exception, as gcc's nearbyintf) + 0.0f */
-                    const __m512 r = _mm512_add_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(wg + c), inv),
-                                                                        0x0C), zero);
-                    __m512 q = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, lo, _CMP_LT_OQ), lo);
-                    q = _mm512_mask_mov_ps(q, _mm512_cmp_ps_mask(r, hi, _CMP_GT_OQ), hi);
-                    const __m512i code = _mm512_cvttps_epi32(q);  /* NaN -> INT32_MIN, low byte 0 */
-                    _mm_storeu_si128((__m128i *)(qn + g * gs + c), _mm512_cvtepi32_epi8(code));
-                    sum = _mm512_add_epi32(sum, _mm512_srai_epi32(_mm512_slli_epi32(code, 24), 24));
-                }
-                cs[g * Np + n] = _mm512_reduce_add_epi32(sum);
+                const float *wg = w + (n0 + j) * K + g * gs;
+                if (j < rows)
+                    for (int64_t c = 0; c < gs; c += 16)
+                        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512((const void *)(wg + c)), keep));
+                v[j] = m;
             }
-            for (int64_t kq = 0; kq < KQ; kq++) memcpy(dst + kq * 64 + j * 4, qn + kq * 4, 4);
+            const __m512 amax = _mm512_castsi512_ps(reduce16(v, 1));
+            __m512 s = _mm512_div_ps(amax, vqmax);
+            s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(s, veps, _CMP_LT_OQ), veps);
+            _mm512_storeu_ps(swt + g * Np + n0, _mm512_maskz_mov_ps(valid, s)); /* padded columns: 0 */
+            __attribute__((aligned(64))) float sv[16], iv[16];
+            _mm512_store_ps(sv, s);
+            _mm512_store_ps(iv, _mm512_div_ps(one, s));
+            for (int j = 0; j < 16; j++) {
+                __m512i sum = _mm512_setzero_si512();
+                if (j < rows) {
+                    s_w[(n0 + j) * G + g] = sv[j];
+                    const __m512 inv = _mm512_set1_ps(iv[j]);
+                    const float *wg = w + (n0 + j) * K + g * gs;
+                    int8_t *qg = q_w + (n0 + j) * K + g * gs;
+                    for (int64_t c = 0; c < gs; c += 16) {
+                        /* nearbyint (VRNDSCALEPS 0x0C: current mode, no exception, as gcc's nearbyintf) */
+                        const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(wg + c), inv), 0x0C);
+                        const __m512i code = _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)));
+                        _mm_storeu_si128((__m128i *)(qg + c), _mm512_cvtepi32_epi8(code)); /* NaN: low byte 0 */
+                        if (cs) sum = _mm512_add_epi32(sum, _mm512_srai_epi32(_mm512_slli_epi32(code, 24), 24));
+                    }
+                }
+                v[j] = sum;
+            }
+            if (cs) _mm512_storeu_si512((void *)(cs + g * Np + n0), reduce16(v, 0));
+        }
+        /* the block's 16 rows of codes -> bp: 64-byte chunks of K, transposed as 16 x 16 int32 (zero past N, K) */
+        int8_t *dst = bp + nb * KQ * 64;
+        for (int64_t k0 = 0; k0 < K; k0 += 64) {
+            const __mmask64 cols = k0 + 64 <= K ? ~(__mmask64)0 : ((__mmask64)1 << (K - k0)) - 1;
+            __m512i v[16];
+            for (int j = 0; j < 16; j++)
+                v[j] = j < rows ? _mm512_maskz_loadu_epi8(cols, q_w + (n0 + j) * K + k0) : _mm512_setzero_si512();
+            transpose16(v);
+            const int64_t lines = (K - k0) / 4 < 16 ? (K - k0) / 4 : 16;
+            for (int64_t i = 0; i < lines; i++) _mm512_storeu_si512((void *)(dst + (k0 / 4 + i) * 64), v[i]);
         }
     }
 #else

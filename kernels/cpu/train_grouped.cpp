@@ -14,7 +14,8 @@
  * Forward, x (M, K) fp32 contiguous, W (N, K), G = K / gs groups:
  *     q_x, s_x = quantize(x)                  dynamic per-token (z = 0), or static per-tensor with its clip mask
  *     q_w, s_w = quantize(W[n, group g], s_w[n, g], 0)   w_scale given (clip mask kept), or min-max per (n, g)
- *     y[m, n] = (sum_g float32(acc_g[m, n]) * s_w[n, g]) * s_x[m] + b[n]   grouped_linear.c's VNNI kernel
+ *     y[m, n] = (sum_g float32(acc_g[m, n]) * s_w[n, g]) * s_x[m] + b[n]   grouped_linear.c's VNNI kernel, or
+ *                                                                           amx_grouped.c's tile kernel (gemm)
  * Backward (straight-through):
  *     grad_x = mask_x * (g @ w_hat),  w_hat[n, k] = q_w[n, k] s_w[n, g(k)]
  *     grad_w = mask_w * (gᵀ @ ((q_x - z) s_x))    or that GEMM as digits (digits_w: digit_gemm.py)
@@ -33,12 +34,21 @@ void intqat_grouped_pack(const int8_t *q_w, int64_t N, int64_t K, int64_t ldw, i
 void intqat_grouped_linear_vnni(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *bp,
                                 const int32_t *cs, const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z,
                                 const float *s_x, int64_t sx_stride, const float *bias, float *y, int64_t ldy);
+void intqat_amx_grouped_linear(const int8_t *q_x, int64_t M, int64_t K, int64_t ldx, const int8_t *bp,
+                               const int32_t *cs, const float *swt, int64_t N, int64_t Np, int64_t gs, int32_t z,
+                               const float *s_x, int64_t sx_stride, const float *bias, float *y, int64_t ldy);
 int intqat_grouped_quantize_available(void);
 void intqat_grouped_quantize_pack(const float *w, int64_t N, int64_t K, int64_t gs, float qmin, float qmax,
                                   float eps, int8_t *q_w, float *s_w, int8_t *bp, int32_t *cs, float *swt,
                                   int64_t Np);
 void intqat_grouped_dequantize(const int8_t *q_w, int64_t N, int64_t K, int64_t gs, const float *s_w, float *w_hat);
 }
+
+/* The forward kernel, as intqat/ops/cpp_step.py's LINEAR_GEMMS names the backend the table runs linear_grouped on */
+enum GroupedGemm : int64_t {
+    VNNI = 0 /* cpu_fused: grouped_linear.c */,
+    AMX = 2 /* amx: amx_grouped.c, the same packed operands */
+};
 
 namespace {
 
@@ -49,24 +59,28 @@ using intqat::train::packed;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-/* The kernel's weight operands: bp (Np / 16, K / 4, 16, 4) int8, cs (G, Np) colsums, swt (G, Np) = s_wᵀ padded */
+/* The kernel's weight operands: bp (Np / 16, K / 4, 16, 4) int8, cs (G, Np) colsums, swt (G, Np) = s_wᵀ padded.
+ * They die in the forward: this thread's scratch buffers (a fresh bp and y of a 768 x 256 layer page-faulted on
+ * every step). */
 struct Packed {
     at::Tensor bp, cs, swt;
 };
 
 Packed packed_weight(int64_t N, int64_t K, int64_t G) {
     const int64_t Np = (N + 31) / 32 * 32;
-    return {at::empty({Np * K}, at::TensorOptions().dtype(at::kChar)), at::empty({G, Np}, at::TensorOptions().dtype(at::kInt)),
-            at::empty({G, Np}, at::TensorOptions().dtype(at::kFloat))};
+    return {scratch("grouped_bp", {Np * K}, at::kChar), scratch("grouped_cs", {G, Np}, at::kInt),
+            scratch("grouped_swt", {G, Np}, at::kFloat)};
 }
 
 /* The whole-row min-max pass (grouped_linear.c) where this build has it: codes, scales and the packed operands in one */
 bool quantize_pack_in_one(int64_t gs) { return gs % 16 == 0 && intqat_grouped_quantize_available(); }
 
-/* y (M, N) through the per-group VNNI kernel: cpu_kernels.grouped_linear(fp32_codes=False), the same packs.
- * p: the packed weight, already filled by the whole-row pass, or (filled = false) packed here from q_w, s_w. */
+/* y (M, N) through the per-group VNNI or AMX kernel (gemm): cpu_kernels.grouped_linear(fp32_codes=False, amx=...),
+ * the same packs. p: the packed weight, already filled by the whole-row pass, or (filled = false) packed here
+ * from q_w, s_w. */
 at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const at::Tensor &s_w, int32_t z,
-                           const at::Tensor &s_x, const at::Tensor &bias, int64_t gs, Packed &p, bool filled) {
+                           const at::Tensor &s_x, const at::Tensor &bias, int64_t gs, Packed &p, bool filled,
+                           int64_t gemm) {
     const int64_t M = q_x.size(0), K = q_x.size(1), N = q_w.size(0);
     at::Tensor y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
     if (M == 0 || N == 0) return y;
@@ -77,10 +91,10 @@ at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const a
         p.swt.zero_();
         p.swt.narrow(1, 0, N).copy_(s_w.t());
     }
-    intqat_grouped_linear_vnni(data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(p.bp),
-                               data_or_null<int32_t>(p.cs), data_or_null<float>(p.swt), N, Np, gs, z,
-                               data_or_null<float>(s_x), s_x.numel() == 1 ? 0 : 1, data_or_null<float>(bias),
-                               data_or_null<float>(y), N);
+    (gemm == AMX ? intqat_amx_grouped_linear : intqat_grouped_linear_vnni)(
+        data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(p.bp), data_or_null<int32_t>(p.cs),
+        data_or_null<float>(p.swt), N, Np, gs, z, data_or_null<float>(s_x), s_x.numel() == 1 ? 0 : 1,
+        data_or_null<float>(bias), data_or_null<float>(y), N);
     return y;
 }
 
@@ -92,8 +106,9 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
                               double x_scale, int64_t x_zero_point, int64_t group_size, int64_t x_qmin, int64_t x_qmax,
-                              int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, bool digits_w,
-                              double eps) {
+                              int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, int64_t gemm,
+                              bool digits_w, double eps) {
+        TORCH_CHECK(gemm == VNNI || gemm == AMX, "intqat_train::int_linear_grouped: unknown forward kernel ", gemm);
         TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "intqat_train::int_linear_grouped: x must be a contiguous (M, K) float32 tensor, got ", x.sizes());
         const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), gs = group_size, G = K / gs;
@@ -120,10 +135,12 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
             if (mask.defined()) bits_w = packed(mask);
         } else if (quantize_pack_in_one(gs)) {  // symmetric min-max per group, whole rows: never clips, no mask
             s_w = at::empty({N, G}, f32);
+            // (the AMX kernel reads the column sums only with a zero point: without one they are not made)
+            int32_t *cs = gemm == AMX && z == 0 ? nullptr : data_or_null<int32_t>(p.cs);
             if (w.numel()) intqat_grouped_quantize_pack(data_or_null<float>(w), N, K, gs, (float)w_qmin, (float)w_qmax,
                                                         (float)eps, data_or_null<int8_t>(q_w), data_or_null<float>(s_w),
-                                                        data_or_null<int8_t>(p.bp), data_or_null<int32_t>(p.cs),
-                                                        data_or_null<float>(p.swt), p.cs.size(1));
+                                                        data_or_null<int8_t>(p.bp), cs, data_or_null<float>(p.swt),
+                                                        p.cs.size(1));
             filled = w.numel() > 0;
         } else {  // symmetric min-max per group (the plan takes no other): never clips, no mask
             s_w = at::empty({N, G}, f32);
@@ -133,13 +150,13 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         }
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
-        at::Tensor y = grouped_forward(q_x, q_w, s_w, z, s_x, bias, gs, p, filled);
+        at::Tensor y = grouped_forward(q_x, q_w, s_w, z, s_x, bias, gs, p, filled, gemm);
         intqat::train::save_step(ctx, q_x, bits_x, q_w, bits_w, s_x, s_w, z, /*digits_x=*/false, digits_w, bias.defined());
         return y;
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        variable_list out(15);  // one per forward input; only x, weight, bias get gradients
+        variable_list out(16);  // one per forward input; only x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
@@ -171,9 +188,9 @@ namespace {
 at::Tensor int_linear_grouped(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                               const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point,
                               int64_t group_size, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin, int64_t w_qmax,
-                              bool x_dynamic, bool w_clip_mask, bool digits_w, double eps) {
+                              bool x_dynamic, bool w_clip_mask, int64_t gemm, bool digits_w, double eps) {
     return intqat::IntLinearGroupedTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, group_size, x_qmin,
-                                                x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, digits_w, eps);
+                                                x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, gemm, digits_w, eps);
 }
 
 }  // namespace
@@ -181,6 +198,6 @@ at::Tensor int_linear_grouped(const at::Tensor &x, const at::Tensor &weight, con
 TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
     m.def("int_linear_grouped(Tensor x, Tensor weight, Tensor? bias, Tensor? w_scale, float x_scale, "
           "int x_zero_point, int group_size, int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, "
-          "bool w_clip_mask, bool digits_w, float eps) -> Tensor",
+          "bool w_clip_mask, int gemm, bool digits_w, float eps) -> Tensor",
           int_linear_grouped);
 }

@@ -6,7 +6,7 @@
                                                                           one C++ autograd op (cpu_fused / avx2_int16 kernels)
     onednn_conv              oneDNN's int8 conv, int8 dot-product units   conv_int8: an integer conv's accumulator without
                                                                           im2col (regular 3x3 convs of <= 64 channels)
-    amx                      AMX-INT8 tiles                               linear (large layers), digit_matmul
+    amx                      AMX-INT8 tiles                               linear (large layers), digit_matmul, linear_grouped (M >= 16)
     cpu_fused                the C kernels; GEMMs: int8 dot-product units GEMMs via torch._int_mm, every elementwise pass
     avx2_int16               AVX2 (x86)                                   int_mm, linear, linear_grouped (int16 multiply-adds)
     fp32_exact               fp32 only                                    int_mm, linear, digit_matmul (exact fp32 GEMMs of the codes)

@@ -4,6 +4,8 @@
   through the fused epilogue's row function: the int32 accumulator never reaches memory, same bits.
 - digit_matmul: kernels/cpu/amx_digits.c, the three digit planes accumulated in tiles and combined
   before anything leaves L1.
+- linear_grouped: kernels/cpu/amx_grouped.c, the per-group (8da4w) forward: one tile step per group, each
+  group's int32 tile scaled and added in fp32 in group order, as the VNNI kernel does: same bits.
 Everything else (the elementwise passes, int_mm) is cpu_fused's.
 """
 
@@ -15,7 +17,7 @@ from intqat.ops.cpu_features import cpu_has_int8_dot
 from intqat.ops.backends.reference import MAX_K_INT32
 
 __all__ = ["Amx", "amx_forward_pays", "AMX_FORWARD_MIN_MACS", "AMX_FORWARD_SMALL_MIN", "AMX_DIGITS_MIN_M",
-           "AMX_DIGITS_MIN_MACS"]
+           "AMX_DIGITS_MIN_MACS", "AMX_GROUPED_MIN_M"]
 
 # The fused AMX forward against torch._int_mm + the epilogue, both on the AMX units. Measured on a 2-core AMX Xeon
 # (4th gen), 2026-11-23: 0.66x-0.80x from M*N*K = 2^24 while M <= N (256x1024x1024: 0.19 vs 0.23 ms;
@@ -33,6 +35,10 @@ AMX_FORWARD_SMALL_MIN = 128
 # (M = 256, K = N = 1024: grad_w 0.51x, grad_x 0.42x); a batch of 32 was 1.2x-2.3x slower (its output write dominates).
 AMX_DIGITS_MIN_M = 128
 AMX_DIGITS_MIN_MACS = 2**26
+# The AMX per-group forward against the VNNI kernel (cpu_fused), same Xeon, group 32: 0.54x-0.60x at the Llama
+# block's layers (1 thread; 128 x 256 x 768: 0.077 vs 0.136 ms; 0.59x-0.71x at 2 threads), 0.75x at M = 16 (a tile's
+# rows); 1.2x-1.8x below (M = 4: 12 of a tile's 16 rows are padding).
+AMX_GROUPED_MIN_M = 16
 
 
 def amx_forward_pays(M: int, K: int, N: int) -> bool:
@@ -46,7 +52,7 @@ def amx_forward_pays(M: int, K: int, N: int) -> bool:
 class Amx(CpuFused):
     name = "amx"
     needs = "AMX-INT8 (Intel Xeon 4th gen+) under Linux, and the fused C kernels"
-    primitives = frozenset({"linear", "digit_matmul"})
+    primitives = frozenset({"linear", "digit_matmul", "linear_grouped"})
     on_int_mm = frozenset()  # its own tile kernels: torch._int_mm's self-check does not concern them
 
     def unavailable(self):
@@ -67,11 +73,15 @@ class Amx(CpuFused):
                 return "K outside (0, MAX_K_INT32]"
             if tensors and not (tensors[0].is_contiguous() and tensors[1].is_contiguous()):
                 return "needs row-major codes"
+        if primitive == "linear_grouped" and not cpu_kernels.amx_grouped_available():
+            return "the per-group AMX kernel is not in this build"
         return None
 
     def slow(self, primitive, shape, spec=None):
         if primitive == "linear" and shape is not None and not amx_forward_pays(*shape):
             return "layer outside the shapes where the fused AMX forward measured faster than _int_mm + epilogue"
+        if primitive == "linear_grouped" and shape is not None and shape[0] < AMX_GROUPED_MIN_M:
+            return "M < 16 (AMX_GROUPED_MIN_M): most of a tile's rows are padding; the VNNI kernel measured faster"
         if primitive == "digit_matmul" and shape is not None:
             M, K, N = shape
             reason = digit_gemm_slow(M, K, N)
@@ -86,3 +96,7 @@ class Amx(CpuFused):
 
     def digit_matmul(self, a, col_scale, q, z, mask):
         return cpu_kernels.amx_digit_matmul(a, col_scale, q, z, mask)
+
+    def linear_grouped(self, q_x, q_w, s_w, z_x, s_x, bias):
+        z = 0 if z_x is None else int(z_x.reshape(()))
+        return cpu_kernels.grouped_linear(q_x, q_w, s_w, z, s_x, bias, fp32_codes=False, amx=True)

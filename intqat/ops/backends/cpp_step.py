@@ -18,7 +18,8 @@ intqat/ops/int_linear.py, int_linear_grouped.py and int_conv2d.py, which registe
     grouped_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
         the per-group (8da4w) layer; shape (M, K, N); spec: int_linear_grouped.GroupedStep (`op`, GroupedSpec: group
         size, ranges, x_dynamic, w_clip_mask; and the facts as linear_step's). Its forward runs cpu_fused's per-group
-        VNNI kernel only (elsewhere the Python path runs); grad_w as digits where the table's digit GEMM pays.
+        VNNI kernel or amx's tile kernel, as the table runs linear_grouped (elsewhere the Python path runs); grad_w
+        as digits where the table's digit GEMM pays.
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
         x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry, grad_gemm). Its forward GEMM:
@@ -132,9 +133,9 @@ class CppStep(Backend):
         if not spec.w_scale_given and op.w_qmin != -op.w_qmax:
             return "min-max weight scales on an asymmetric range: the Python path computes that scale"
         b = self.table.runs("linear_grouped", shape)
-        if b != "cpu_fused":
+        if b not in ("cpu_fused", "amx"):
             return (f"the table runs linear_grouped on {b}{self.table.forced_note()}: the op calls cpu_fused's "
-                    "per-group VNNI kernel")
+                    "per-group VNNI kernel or amx's tile kernel")
         if not cpu_kernels.grouped_vnni_available() or op.group_size % 4:
             return "the per-group VNNI kernel needs AVX512-VNNI in the build and a group size that is a multiple of 4"
         digits_w = self.table.fast("digit_matmul", shape, "w")
@@ -146,7 +147,7 @@ class CppStep(Backend):
         reason = self._passes_on_cpu_fused(steps)
         if reason is not None:
             return reason
-        return 0, False, digits_w, (("linear_grouped", "cpu_fused"), *((p, "cpu_fused") for p in steps))
+        return ops.LINEAR_GEMMS[b], False, digits_w, (("linear_grouped", b), *((p, "cpu_fused") for p in steps))
 
     def _conv_plan(self, spec) -> tuple | str:
         if spec.x_dynamic:
@@ -211,12 +212,12 @@ class CppStep(Backend):
                               op.w_clip_mask and spec.w_scale_given)
 
     def grouped_step(self, x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x):
-        _, _, digits_w, ran = self._plan("grouped_step", (x2d.shape[0], x2d.shape[1], weight.shape[0]), spec)
+        gemm, _, digits_w, ran = self._plan("grouped_step", (x2d.shape[0], x2d.shape[1], weight.shape[0]), spec)
         self.table.note_ran(ran)
         op = spec.op
         return ops.run_grouped(digits_w, x2d, weight, bias, w_scale, 0.0 if s_x is None else s_x,
                                0 if z_x is None else z_x, op.group_size, op.x_qmin, op.x_qmax, op.w_qmin, op.w_qmax,
-                               op.x_dynamic, op.w_clip_mask and spec.w_scale_given)
+                               op.x_dynamic, op.w_clip_mask and spec.w_scale_given, gemm)
 
     def conv_step(self, x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x):
         gemm, digits_x, digits_w, digits_amx, ran = self._plan("conv_step", None, spec)
