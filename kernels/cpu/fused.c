@@ -396,3 +396,64 @@ void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32
                           mask ? mask + r * K : 0, out + r * K);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * NCHW <-> NHWC for the C++ conv step (train_conv.cpp; nchw_layout.h has the why). Values are moved, never
+ * changed, except where a function says which float32 steps it applies on the way (the epilogue's, in its order). */
+#include "nchw_layout.h" /* intqat_transpose_f32, intqat_transpose_i8 */
+
+/* n blocks: dst + b * dbs gets block b of src + b * sbs, (rows, cols) at stride sld transposed to stride dld */
+void intqat_transpose_f32_batch(const float *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                                float *dst, int64_t dld, int64_t dbs) {
+    OMP_FOR_IF(n * rows * cols)
+    for (int64_t b = 0; b < n; ++b) intqat_transpose_f32(src + b * sbs, rows, cols, sld, dst + b * dbs, dld);
+}
+
+/* the same for int8 codes, each byte XORed with flip (0: the codes; 0x80: u8 codes q + 128) */
+void intqat_transpose_i8_batch(const int8_t *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                               uint8_t *dst, int64_t dld, int64_t dbs, uint8_t flip) {
+    OMP_FOR_IF(n * rows * cols)
+    for (int64_t b = 0; b < n; ++b) intqat_transpose_i8(src + b * sbs, rows, cols, sld, dst + b * dbs, dld, flip);
+}
+
+/* rows (B * P, N) -> y (B, N, P): each tile of up to 16 rows computed by one row function into a buffer, then
+ * transposed into y (the output pass and the NHWC -> NCHW copy in one).
+ *   kind 0 (intqat_epilogue's rows): y = float32(acc - z_x * colsum) * (sx * s_w[n]) (+ bias[n])   (epilogue_row)
+ *   kind 1 (a float accumulator):    y = accf * scale[n] (+ bias[n])   (_scaled_'s mul_, then add_) */
+static void rows_to_nchw(int kind, const int32_t *acc, const float *accf, int64_t B, int64_t P, int64_t N,
+                         int32_t z_x, const int32_t *colsum, float sx, const float *s_w, const float *bias, float *y) {
+    const int64_t tiles = (P + 15) / 16;
+    INTQAT_PRAGMA(omp parallel if (B * P * N >= INTQAT_GRAIN))
+    {
+        float *buf = (float *)malloc(sizeof(float) * 16 * (N > 0 ? N : 1));
+        INTQAT_PRAGMA(omp for schedule(static))
+        for (int64_t t = 0; t < B * tiles; ++t) {
+            const int64_t b = t / tiles, p0 = t % tiles * 16, rn = P - p0 < 16 ? P - p0 : 16;
+            for (int64_t r = 0; r < rn; ++r) {
+                const int64_t m = b * P + p0 + r;
+                if (kind == 0) {
+                    epilogue_row(acc + m * N, N, z_x, colsum, sx, s_w, bias, buf + r * N);
+                } else {
+                    const float *a = accf + m * N;
+                    float *o = buf + r * N;
+                    if (bias)
+                        for (int64_t n = 0; n < N; ++n) o[n] = a[n] * s_w[n] + bias[n];
+                    else
+                        for (int64_t n = 0; n < N; ++n) o[n] = a[n] * s_w[n];
+                }
+            }
+            intqat_transpose_f32(buf, rn, N, N, y + b * N * P + p0, P);
+        }
+        free(buf);
+    }
+}
+
+void intqat_epilogue_nchw(const int32_t *acc, int64_t B, int64_t P, int64_t N, int32_t z_x, const int32_t *colsum,
+                          float sx, const float *s_w, const float *bias, float *y) {
+    rows_to_nchw(0, acc, 0, B, P, N, z_x, colsum, sx, s_w, bias, y);
+}
+
+void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const float *scale, const float *bias,
+                       float *y) {
+    rows_to_nchw(1, 0, acc, B, P, N, 0, 0, 0.0f, scale, bias, y);
+}

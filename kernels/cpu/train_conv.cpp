@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
+#include "nchw_layout.h"  // intqat_transpose_f32 (one block; the batches and the fused passes are fused.c's)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
@@ -50,6 +51,16 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+// NCHW <-> NHWC (nchw_layout.h): batched transposes, and the epilogue / the float accumulator's scaling written
+// straight into an NCHW output
+void intqat_transpose_f32_batch(const float *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                                float *dst, int64_t dld, int64_t dbs);
+void intqat_transpose_i8_batch(const int8_t *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                               uint8_t *dst, int64_t dld, int64_t dbs, uint8_t flip);
+void intqat_epilogue_nchw(const int32_t *acc, int64_t B, int64_t P, int64_t N, int32_t z_x, const int32_t *colsum,
+                          float sx, const float *s_w, const float *bias, float *y);
+void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const float *scale, const float *bias,
+                       float *y);
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
@@ -151,7 +162,16 @@ at::Tensor onednn_one(const at::Tensor &u8, int64_t zp, const at::Tensor &q_w, a
 at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, at::IntArrayRef stride,
                       at::IntArrayRef padding, at::IntArrayRef dilation) {
     constexpr int64_t limit = (int64_t(1) << 24) / 255;  // conv_onednn.WEIGHT_ABS_LIMIT
-    const at::Tensor u8 = q_x.view(at::kByte).bitwise_xor(128);
+    // u8 codes (q + 128: the sign bit flipped) as NHWC, the layout oneDNN's int8 conv runs in (an NCHW input it would
+    // reorder itself, ~2x the transpose here)
+    at::Tensor u8;
+    if (q_x.is_contiguous() && !channels_last(q_x) && q_x.numel()) {
+        const int64_t B = q_x.size(0), C = q_x.size(1), P = q_x.size(2) * q_x.size(3);
+        u8 = at::empty_like(q_x, at::TensorOptions().dtype(at::kByte), at::MemoryFormat::ChannelsLast);
+        intqat_transpose_i8_batch(q_x.data_ptr<int8_t>(), B, C, P, P, C * P, u8.data_ptr<uint8_t>(), C, P * C, 0x80);
+    } else {
+        u8 = q_x.view(at::kByte).bitwise_xor(128);
+    }
     const int64_t zp = (int64_t)z + 128;
     const at::Tensor per = q_w.to(at::kInt).abs().sum({2, 3}).to(at::kLong).contiguous();  // (O, C)
     const int64_t O = per.size(0), C = per.size(1);
@@ -177,6 +197,34 @@ at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, a
     return acc.to(at::kFloat);
 }
 
+/* (B, C, H, W) int8 codes as NHWC rows (B, H, W, C): q itself when channels_last, else a blocked transpose into this
+ * thread's scratch `role` (it dies in the caller); the codes moved, not changed. */
+at::Tensor nhwc_codes(const at::Tensor &q, const char *role) {
+    const int64_t B = q.size(0), C = q.size(1), H = q.size(2), W = q.size(3), P = H * W;
+    if (!q.is_contiguous() || q.is_contiguous(at::MemoryFormat::ChannelsLast)) return q.permute({0, 2, 3, 1}).contiguous();
+    at::Tensor out = intqat::scratch(role, {B, H, W, C}, at::kChar);
+    intqat_transpose_i8_batch(q.data_ptr<int8_t>(), B, C, P, P, C * P, (uint8_t *)out.data_ptr<int8_t>(), C, P * C, 0);
+    return out;
+}
+
+/* padded NHWC sums (B, H + 2 ph, W + 2 pw, C) -> grad_x (B, C, H, W) in like's layout (the interior, moved) */
+at::Tensor interior_like(const at::Tensor &out, const at::Tensor &like, int64_t ph, int64_t pw) {
+    const int64_t B = like.size(0), C = like.size(1), H = like.size(2), W = like.size(3);
+    const int64_t Hp = out.size(1), Wp = out.size(2);
+    if (channels_last(like) || !like.is_contiguous() || !out.is_contiguous())
+        return at::empty_like(like, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+    at::Tensor gx = at::empty({B, C, H, W}, at::TensorOptions().dtype(at::kFloat));
+    const float *src = out.data_ptr<float>();
+    float *dst = gx.data_ptr<float>();
+    at::parallel_for(0, B * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(W * C, 1)), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {  // one input row (b, h): (W, C) -> (C, W) at stride H*W
+            const int64_t b = r / H, h = r % H;
+            intqat_transpose_f32(src + ((b * Hp + ph + h) * Wp + pw) * C, W, C, C, dst + b * C * H * W + h * W, H * W);
+        }
+    });
+    return gx;
+}
+
 /* int_conv2d._im2col for groups == 1: (B, C, H, W) codes -> (B*Ho*Wo, kh*kw*C), columns (i, j, c), c fastest, in one
  * C pass (an exact copy: the Python path's codes, so the same bits downstream): a
  * memcpy of a pixel's C codes per (output pixel, i, j), the zero point's code where the window leaves the input.
@@ -188,7 +236,7 @@ at::Tensor im2col_rows(const at::Tensor &q_x, int32_t z, int64_t kh, int64_t kw,
                   dw = dilation[1];
     Ho = (H + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
-    const at::Tensor q = q_x.permute({0, 2, 3, 1}).contiguous();  // NHWC (a view for channels_last codes)
+    const at::Tensor q = nhwc_codes(q_x, "q_nhwc");  // NHWC (q_x itself for channels_last codes)
     const int64_t Kc = kh * kw * C, ho = Ho, wo = Wo;
     // (cols die in the GEMM that reads them: this thread's scratch, no fresh pages to fault in)
     at::Tensor cols = intqat::scratch("cols", {B * Ho * Wo, Kc}, at::kChar);
@@ -316,7 +364,7 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
                           part, Ho, Wo, C, kh, kw, stride, dilation);
             }
         });
-        return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+        return interior_like(out, q_x, ph, pw);
     }
     for (int64_t b0 = 0; b0 < B; b0 += step) {
         const int64_t n = std::min(step, B - b0);
@@ -326,7 +374,7 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
         fold_into(digits_mm(g_mat.narrow(0, b0 * Ho * Wo, n * Ho * Wo), s_w, wcols, 0, amx, chunk), part, Ho, Wo, C,
                   kh, kw, stride, dilation);
     }
-    return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+    return interior_like(out, q_x, ph, pw);
 }
 
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
@@ -345,6 +393,15 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
         at::Tensor acc = onednn_acc(q_x, z, q_w, stride, padding, dilation);
         at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
+        if (!channels_last(q_x) && channels_last(acc)) {
+            // NCHW output: acc's NHWC rows scaled (mul, then add: _scaled_'s two float steps) into the transposed y
+            const int64_t P = acc.size(2) * acc.size(3);
+            at::Tensor y = at::empty({B, O, acc.size(2), acc.size(3)}, at::TensorOptions().dtype(at::kFloat));
+            if (y.numel())
+                intqat_scale_nchw(acc.data_ptr<float>(), B, P, O, scale.data_ptr<float>(),
+                                  bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+            return y;
+        }
         at::Tensor y = acc.mul_(scale);
         if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
         return channels_last(q_x) ? y : y.contiguous();
@@ -353,13 +410,19 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, Ho, Wo);  // (groups == 1 here)
     at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1});  // int_conv2d._weight_columns
     at::Tensor acc = int_mm(cols, wcols.t(), gemm);
+    const float *bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (!channels_last(q_x)) {  // NCHW: the epilogue's rows written straight into the transposed output
+        at::Tensor y = at::empty({B, O, Ho, Wo}, at::TensorOptions().dtype(at::kFloat));
+        if (y.numel())
+            intqat_epilogue_nchw(acc.data_ptr<int32_t>(), B, Ho * Wo, O, z, colsum.data_ptr<int32_t>(),
+                                 s_x.data_ptr<float>()[0], s_w.data_ptr<float>(), bias_p, y.data_ptr<float>());
+        return y;
+    }
     at::Tensor y = at::empty({B * Ho * Wo, O}, at::TensorOptions().dtype(at::kFloat));
     if (y.numel())
         intqat_epilogue(acc.data_ptr<int32_t>(), B * Ho * Wo, O, z, colsum.data_ptr<int32_t>(), s_x.data_ptr<float>(),
-                        0, s_w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-                        y.data_ptr<float>());
-    y = y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});
-    return channels_last(q_x) ? y : y.contiguous();  // the output takes the input's memory format
+                        0, s_w.data_ptr<float>(), bias_p, y.data_ptr<float>());
+    return y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});  // the output takes the input's memory format
 }
 
 struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
@@ -435,10 +498,16 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                           kh = q_w.size(2), kw = q_w.size(3);
             // g_mat (M, O): g's NHWC rows (a view of channels_last g; else a copy into scratch: it dies here)
             const at::Tensor g_nhwc = g.permute({0, 2, 3, 1});
-            const at::Tensor g_mat = g_nhwc.is_contiguous()
-                                         ? g_nhwc.reshape({B * Ho * Wo, O})
-                                         : intqat::scratch("g_mat", {B, Ho, Wo, O}, at::kFloat).copy_(g_nhwc)
-                                               .view({B * Ho * Wo, O});
+            at::Tensor g_mat;
+            if (g_nhwc.is_contiguous()) {
+                g_mat = g_nhwc.reshape({B * Ho * Wo, O});
+            } else if (g.is_contiguous()) {  // NCHW: each image's (O, Ho*Wo) transposed
+                const int64_t P = Ho * Wo;
+                g_mat = intqat::scratch("g_mat", {B * P, O}, at::kFloat);
+                intqat_transpose_f32_batch(g.data_ptr<float>(), B, O, P, P, O * P, g_mat.data_ptr<float>(), O, P * O);
+            } else {
+                g_mat = intqat::scratch("g_mat", {B, Ho, Wo, O}, at::kFloat).copy_(g_nhwc).view({B * Ho * Wo, O});
+            }
             if (dw) {
                 int64_t ho = 0, wo = 0;
                 const at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, ho, wo);
@@ -456,7 +525,10 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         }
         const bool fx = need_x && !gx.defined(), fw = need_w && !gw.defined();
         if (fx || fw || want_b) {
-            const at::Tensor x_hat = dequantized(q_x, s_x, (float)z, false);
+            // grad_input reads x_hat's sizes and layout only (mkldnn_convolution_backward_input(input.sizes(), ...)):
+            // its values are needed for grad_w alone
+            const at::Tensor x_hat = fw ? dequantized(q_x, s_x, (float)z, false)
+                                        : at::empty_like(dense(q_x) ? q_x : q_x.contiguous(), at::kFloat);
             const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
             const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
             auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
