@@ -457,3 +457,29 @@ void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const 
                        float *y) {
     rows_to_nchw(1, 0, acc, B, P, N, 0, 0, 0.0f, scale, bias, y);
 }
+
+/* y (B, N, P) in place: y = y * scale[n] (+ bias[n]), _scaled_'s mul_ then add_ in one pass; channels_last: y is
+ * (B * P, N) rows instead (the same values, walked in memory order) */
+void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channels_last, const float *scale,
+                           const float *bias) {
+    if (channels_last) {
+        OMP_FOR_IF(B * P * N)
+        for (int64_t m = 0; m < B * P; ++m) {
+            float *r = y + m * N;
+            if (bias)
+                for (int64_t n = 0; n < N; ++n) r[n] = r[n] * scale[n] + bias[n];
+            else
+                for (int64_t n = 0; n < N; ++n) r[n] = r[n] * scale[n];
+        }
+        return;
+    }
+    OMP_FOR_IF(B * P * N)
+    for (int64_t t = 0; t < B * N; ++t) {
+        float *r = y + t * P;
+        const float s = scale[t % N], c = bias ? bias[t % N] : 0.0f;
+        if (bias)
+            for (int64_t p = 0; p < P; ++p) r[p] = r[p] * s + c;
+        else
+            for (int64_t p = 0; p < P; ++p) r[p] = r[p] * s;
+    }
+}

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -61,6 +62,8 @@ void intqat_epilogue_nchw(const int32_t *acc, int64_t B, int64_t P, int64_t N, i
                           float sx, const float *s_w, const float *bias, float *y);
 void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const float *scale, const float *bias,
                        float *y);
+void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channels_last, const float *scale,
+                           const float *bias);
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
@@ -173,9 +176,20 @@ at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, a
         u8 = q_x.view(at::kByte).bitwise_xor(128);
     }
     const int64_t zp = (int64_t)z + 128;
+    {  // the common case in one loop: every output channel's sum |q_w| within the limit -> one conv
+        const at::Tensor qw = q_w.contiguous();
+        const int8_t *w = qw.data_ptr<int8_t>();
+        const int64_t O = qw.size(0), per_o = qw.numel() / std::max<int64_t>(O, 1);
+        int64_t most = 0;
+        for (int64_t o = 0; o < O; ++o) {
+            int64_t sum = 0;
+            for (int64_t k = 0; k < per_o; ++k) sum += std::abs((int32_t)w[o * per_o + k]);
+            most = std::max(most, sum);
+        }
+        if (qw.size(1) == 0 || most <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
+    }
     const at::Tensor per = q_w.to(at::kInt).abs().sum({2, 3}).to(at::kLong).contiguous();  // (O, C)
     const int64_t O = per.size(0), C = per.size(1);
-    if (C == 0 || per.sum(1).max().item<int64_t>() <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
     const auto a = per.accessor<int64_t, 2>();
     std::vector<int64_t> run(O, 0);
     at::Tensor acc;
@@ -237,6 +251,8 @@ at::Tensor im2col_rows(const at::Tensor &q_x, int32_t z, int64_t kh, int64_t kw,
     Ho = (H + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
     const at::Tensor q = nhwc_codes(q_x, "q_nhwc");  // NHWC (q_x itself for channels_last codes)
+    if (kh == 1 && kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0)
+        return q.view({B * H * W, C});  // a 1x1 window at stride 1: each pixel's codes are its column
     const int64_t Kc = kh * kw * C, ho = Ho, wo = Wo;
     // (cols die in the GEMM that reads them: this thread's scratch, no fresh pages to fault in)
     at::Tensor cols = intqat::scratch("cols", {B * Ho * Wo, Kc}, at::kChar);
@@ -377,6 +393,22 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
     return interior_like(out, q_x, ph, pw);
 }
 
+/* int_conv2d._scaled_: y = acc * (s_x s_w[o]) + b[o] in place on acc (B, O, Ho, Wo) fp32, NCHW or channels_last
+ * (one pass: the same mul, then add, per element); other layouts: aten's mul_ and add_ */
+at::Tensor scaled_(at::Tensor acc, const at::Tensor &s_x, const at::Tensor &s_w, const at::Tensor &bias) {
+    const int64_t O = acc.size(1);
+    const at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1}).contiguous();
+    const bool cl = channels_last(acc);
+    if (!(cl || acc.is_contiguous())) {
+        acc.mul_(scale);
+        return bias.defined() ? acc.add_(bias.reshape({1, O, 1, 1})) : acc;
+    }
+    if (acc.numel())
+        intqat_scale_channels(acc.data_ptr<float>(), acc.size(0), O, acc.size(2) * acc.size(3), cl,
+                              scale.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr);
+    return acc;
+}
+
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
                          const at::Tensor &colsum, const at::Tensor &s_w, const at::Tensor &bias,
                          at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups,
@@ -385,10 +417,7 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
         const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
         at::Tensor xz = dequantized(q_x, one, (float)z, false);
-        at::Tensor acc = at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups);
-        at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
-        at::Tensor y = acc.mul_(scale);
-        return bias.defined() ? y.add_(bias.reshape({1, O, 1, 1})) : y;
+        return scaled_(at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups), s_x, s_w, bias);
     }
     if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
         at::Tensor acc = onednn_acc(q_x, z, q_w, stride, padding, dilation);
@@ -402,8 +431,7 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
                                   bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
             return y;
         }
-        at::Tensor y = acc.mul_(scale);
-        if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
+        at::Tensor y = scaled_(acc, s_x, s_w, bias);
         return channels_last(q_x) ? y : y.contiguous();
     }
     int64_t Ho = 0, Wo = 0;
