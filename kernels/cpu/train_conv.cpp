@@ -85,11 +85,20 @@ bool channels_last(const at::Tensor &t) {  // int_conv2d.is_channels_last
     return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
 }
 
+/* A tensor shaped and laid out as `like` (contiguous or channels_last), over this thread's scratch `role`: for values
+ * that die inside this op call (a fresh multi-MB tensor per call costs its page faults every step). */
+at::Tensor scratch_like(const char *role, const at::Tensor &like, at::ScalarType dtype) {
+    if (channels_last(like))
+        return intqat::scratch(role, {like.size(0), like.size(2), like.size(3), like.size(1)}, dtype).permute({0, 3, 1, 2});
+    TORCH_CHECK(like.is_contiguous(), "intqat_train::int_conv2d: scratch_like takes a dense tensor");
+    return intqat::scratch(role, like.sizes(), dtype);
+}
+
 /* (q - z) * s, one scale (per_row false: q walked in memory order, in its layout) or one per row of a
- * contiguous q: cpu_kernels.dequantize_rows. */
-at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row) {
+ * contiguous q: cpu_kernels.dequantize_rows. role: into this thread's scratch (the values die in this call). */
+at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row, const char *role) {
     const at::Tensor q = (per_row || !dense(q_in)) ? q_in.contiguous() : q_in;
-    at::Tensor out = at::empty_like(q, at::kFloat);
+    at::Tensor out = scratch_like(role, q, at::kFloat);
     const int64_t rows = per_row ? q.size(0) : 1;
     if (q.numel())
         intqat_dequantize_rows(q.data_ptr<int8_t>(), rows, q.numel() / rows, scale.data_ptr<float>(), per_row ? 1 : 0,
@@ -129,7 +138,10 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     const auto i32 = at::TensorOptions().dtype(at::kInt);
     if (M == 0) return at::empty({0, N}, i32);  // no rows: the reference's empty product
-    if (gemm == 0) return at::_int_mm(intqat::int_mm_operand(a), intqat::int_mm_operand(b));
+    if (gemm == 0) {  // (the accumulator dies in the epilogue: scratch)
+        at::Tensor c = intqat::scratch("acc", {M, N}, at::kInt);
+        return at::_int_mm_out(c, intqat::int_mm_operand(a), intqat::int_mm_operand(b));
+    }
     const int64_t kp = K + (K & 1);
     at::Tensor ap = intqat::scratch("int16_a", {(M + 11) / 12 * 12 * kp}, at::kShort);  // (the packs die here)
     at::Tensor bp = intqat::scratch("int16_b", {(N + 15) / 16 * 16 * kp}, at::kShort);
@@ -170,7 +182,7 @@ at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, a
     at::Tensor u8;
     if (q_x.is_contiguous() && !channels_last(q_x) && q_x.numel()) {
         const int64_t B = q_x.size(0), C = q_x.size(1), P = q_x.size(2) * q_x.size(3);
-        u8 = at::empty_like(q_x, at::TensorOptions().dtype(at::kByte), at::MemoryFormat::ChannelsLast);
+        u8 = intqat::scratch("u8", {B, q_x.size(2), q_x.size(3), C}, at::kByte).permute({0, 3, 1, 2});  // (dies here)
         intqat_transpose_i8_batch(q_x.data_ptr<int8_t>(), B, C, P, P, C * P, u8.data_ptr<uint8_t>(), C, P * C, 0x80);
     } else {
         u8 = q_x.view(at::kByte).bitwise_xor(128);
@@ -416,7 +428,7 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     const int64_t B = q_x.size(0), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
     if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
         const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
-        at::Tensor xz = dequantized(q_x, one, (float)z, false);
+        at::Tensor xz = dequantized(q_x, one, (float)z, false, "xz");  // (dies in the conv)
         return scaled_(at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups), s_x, s_w, bias);
     }
     if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
@@ -468,7 +480,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // x: codes and clip mask in x's layout (int_conv2d._quantize_input: quantize_with_mask, one scale)
         const at::Tensor s_x = at::full({1, 1}, x_scale, f32);
         const at::Tensor xd = dense(x) ? x : x.contiguous();
-        at::Tensor q_x = at::empty_like(xd, at::kChar), mask_x = at::empty_like(xd, at::kBool);
+        // (the bool masks die in their packing: scratch)
+        at::Tensor q_x = at::empty_like(xd, at::kChar), mask_x = scratch_like("mask_x", xd, at::kBool);
         if (xd.numel())
             intqat_quantize_rows(xd.data_ptr<float>(), 1, xd.numel(), s_x.data_ptr<float>(), 0, (float)z, (float)x_qmin,
                                  (float)x_qmax, q_x.data_ptr<int8_t>(), (uint8_t *)mask_x.data_ptr(), nullptr);
@@ -476,7 +489,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
         const at::Tensor s_w = w_scale.detach().reshape({-1}).to(at::kFloat).contiguous();
         at::Tensor q_w = at::empty_like(w2, at::kChar);
-        at::Tensor mask_w = w_clip_mask ? at::empty_like(w2, at::kBool) : at::empty({0}, at::TensorOptions().dtype(at::kBool));
+        at::Tensor mask_w = w_clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
+                                        : at::empty({0}, at::TensorOptions().dtype(at::kBool));
         at::Tensor colsum = at::empty({O}, at::TensorOptions().dtype(at::kInt));
         if (w2.numel())
             intqat_quantize_rows(w2.data_ptr<float>(), O, w2.size(1), s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
@@ -555,9 +569,9 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         if (fx || fw || want_b) {
             // grad_input reads x_hat's sizes and layout only (mkldnn_convolution_backward_input(input.sizes(), ...)):
             // its values are needed for grad_w alone
-            const at::Tensor x_hat = fw ? dequantized(q_x, s_x, (float)z, false)
+            const at::Tensor x_hat = fw ? dequantized(q_x, s_x, (float)z, false, "x_hat")
                                         : at::empty_like(dense(q_x) ? q_x : q_x.contiguous(), at::kFloat);
-            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
+            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1, "w_hat");
             const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
             auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
                                                                        : c10::nullopt,
