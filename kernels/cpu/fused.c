@@ -483,3 +483,36 @@ void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channe
             for (int64_t p = 0; p < P; ++p) r[p] = r[p] * s;
     }
 }
+
+/* intqat_quantize_rows of one row x (n,) with one scale (codes in x's memory order), the clip mask written as bits
+ * (intqat_pack_bits' layout) instead of bool bytes: the same codes and bits as those two passes, in one, parallel
+ * over chunks of 4096 elements (a per-tensor quantize of a whole activation is one row: intqat_quantize_rows would
+ * run it on one thread). */
+void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z, float qmin, float qmax, int8_t *out,
+                          uint8_t *bits) {
+    enum { CHUNK = 4096 };
+    const float inv = 1.0f / scale[0];
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    OMP_FOR_IF(n)
+    for (int64_t t = 0; t < chunks; ++t) {
+        uint8_t mask[CHUNK];
+        const int64_t k0 = t * CHUNK, len = n - k0 < CHUNK ? n - k0 : CHUNK;
+        const float *xi = x + k0;
+        int8_t *oi = out + k0;
+        for (int64_t k = 0; k < len; ++k) {
+            const float r = round_shift(xi[k], inv, z);
+            const float q = clampf(r, qmin, qmax);
+            oi[k] = (int8_t)(int32_t)q;
+            mask[k] = (uint8_t)(q == r);
+        }
+        uint8_t *bi = bits + k0 / 8;
+        const int64_t full = len / 8;
+        for (int64_t j = 0; j < full; ++j)
+            bi[j] = (uint8_t)(((load_u64(mask + 8 * j) & MASK_LOW_BITS) * MASK_GATHER) >> 56);
+        if (len % 8) {  /* (the last chunk only: CHUNK is a multiple of 8) */
+            uint8_t b = 0;
+            for (int64_t k = 8 * full; k < len; ++k) b |= (uint8_t)((mask[k] != 0) << (k - 8 * full));
+            bi[full] = b;
+        }
+    }
+}

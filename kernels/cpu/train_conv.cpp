@@ -64,6 +64,8 @@ void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const 
                        float *y);
 void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channels_last, const float *scale,
                            const float *bias);
+void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z, float qmin, float qmax, int8_t *out,
+                          uint8_t *bits);
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
@@ -480,12 +482,14 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // x: codes and clip mask in x's layout (int_conv2d._quantize_input: quantize_with_mask, one scale)
         const at::Tensor s_x = at::full({1, 1}, x_scale, f32);
         const at::Tensor xd = dense(x) ? x : x.contiguous();
-        // (the bool masks die in their packing: scratch)
-        at::Tensor q_x = at::empty_like(xd, at::kChar), mask_x = scratch_like("mask_x", xd, at::kBool);
+        // (one pass: the codes, and the clip mask as bits in the codes' memory order, as packed_bits of the bool mask)
+        at::Tensor q_x = at::empty_like(xd, at::kChar);
+        at::Tensor bits_x = at::empty({(xd.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
         if (xd.numel())
-            intqat_quantize_rows(xd.data_ptr<float>(), 1, xd.numel(), s_x.data_ptr<float>(), 0, (float)z, (float)x_qmin,
-                                 (float)x_qmax, q_x.data_ptr<int8_t>(), (uint8_t *)mask_x.data_ptr(), nullptr);
-        // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows)
+            intqat_quantize_bits(xd.data_ptr<float>(), xd.numel(), s_x.data_ptr<float>(), (float)z, (float)x_qmin,
+                                 (float)x_qmax, q_x.data_ptr<int8_t>(), bits_x.data_ptr<uint8_t>());
+        // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows; the bool
+        // mask dies in its packing: scratch)
         const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
         const at::Tensor s_w = w_scale.detach().reshape({-1}).to(at::kFloat).contiguous();
         at::Tensor q_w = at::empty_like(w2, at::kChar);
@@ -503,7 +507,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
-        ctx->save_for_backward({q_x, packed_bits(mask_x), q_w, packed_bits(mask_w), s_x, s_w});
+        ctx->save_for_backward({q_x, bits_x, q_w, packed_bits(mask_w), s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
         ctx->saved_data["stride"] = stride;
         ctx->saved_data["padding"] = padding;
