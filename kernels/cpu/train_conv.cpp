@@ -101,7 +101,9 @@ at::Tensor scratch_like(const char *role, const at::Tensor &like, at::ScalarType
 at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row, const char *role) {
     const at::Tensor q = (per_row || !dense(q_in)) ? q_in.contiguous() : q_in;
     at::Tensor out = scratch_like(role, q, at::kFloat);
-    const int64_t rows = per_row ? q.size(0) : 1;
+    // one scale: any cut into rows gives the same elements; the outermost dim's (contiguous blocks in memory order, for
+    // both layouts) lets the pass run on every thread (one row would be one thread's)
+    const int64_t rows = q.dim() && q.size(0) ? q.size(0) : 1;
     if (q.numel())
         intqat_dequantize_rows(q.data_ptr<int8_t>(), rows, q.numel() / rows, scale.data_ptr<float>(), per_row ? 1 : 0,
                                z, out.data_ptr<float>());
