@@ -26,7 +26,13 @@
  *             grad_x = fold((g_mat s_w[o]) @ q_w_cols)   (M, kh*kw*C) -> each pixel's window sum, (i, j) order
  *             grad_b = sum of g over (B, Ho, Wo) (when either GEMM is digits)
  * The clip masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in
- * place on the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
+ * place on the fresh gradients: where(mask, grad, 0) of the Python path, the same values.
+ * Layouts (2026-11-28): an NCHW conv moves between NCHW and the GEMMs' NHWC rows with blocked SSE transposes
+ * (nchw_layout.h) instead of aten's permuted copies: the epilogue (or oneDNN's accumulator's scaling) writes the
+ * NCHW output directly (fused.c intqat_epilogue_nchw / intqat_scale_nchw), oneDNN gets u8 NHWC codes, g becomes
+ * NHWC rows and grad_x's padded NHWC sums NCHW by transposes. Values are moved, never recomputed: the same bits.
+ * Values that die inside the call (bool masks, u8 codes, the int32 accumulator, x_hat / w_hat) live in per-thread
+ * scratch (scratch.h), so a step faults in no fresh pages for them. */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
