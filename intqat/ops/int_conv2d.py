@@ -46,7 +46,7 @@ from intqat.ops.op_outline import IntegerOp
 from intqat.ops.qparams import SCALE_EPS, row_absmax
 from intqat.ops.quant import check_qrange, dequantize, quantize, quantize_with_mask
 
-__all__ = ["int_conv2d", "conv_codes_forward", "conv_output_size", "conv_geometry", "conv_backward_gemms"]
+__all__ = ["int_conv2d", "conv_call", "conv_codes_forward", "conv_output_size", "conv_geometry", "conv_backward_gemms"]
 
 
 def conv_output_size(size: int, k: int, stride: int, pad: int, dil: int) -> int:
@@ -477,6 +477,16 @@ def int_conv2d(
     `grad_gemm`: "int8x3" (default): a groups == 1 conv's two backward GEMMs run as digit GEMMs on the im2col form
     where the linear layers' rule (`digits_pay`) says they pay for its im2col GEMM (`conv_backward_gemms` says so per
     layer); "fp32": fp32 convolution_backward only."""
+    b, args = conv_call(x, weight, bias, x_scale, x_zero_point, w_scale, stride=stride, padding=padding,
+                        dilation=dilation, groups=groups, x_qmin=x_qmin, x_qmax=x_qmax, w_qmin=w_qmin, w_qmax=w_qmax,
+                        x_dynamic=x_dynamic, w_clip_mask=w_clip_mask, grad_gemm=grad_gemm)
+    return b.conv_step(*args)
+
+
+def conv_call(x, weight, bias, x_scale, x_zero_point, w_scale, *, stride, padding, dilation, groups, x_qmin, x_qmax,
+              w_qmin, w_qmax, x_dynamic, w_clip_mask, grad_gemm, record: bool = True):
+    """int_conv2d's checks and the table's choice: (backend, the arguments of its `conv_step`). record=False: a
+    question (intqat.nn.conv_step caches the answer per layer), not a call."""
     _check_inputs(x, weight, bias, x_scale, x_zero_point, w_scale, groups, x_dynamic)
     stride, padding, dilation = _pair(stride, "stride", 1), _pair(padding, "padding", 0), _pair(dilation, "dilation", 1)
     _check_window(x, weight, stride, padding, dilation)
@@ -504,9 +514,9 @@ def int_conv2d(
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
                     empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm)
-    b = backends.select("conv_step", *tensors, spec=spec, eager=eager)
-    return b.conv_step(x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation,
-                       spec, s_x, z)
+    b = backends.select("conv_step", *tensors, spec=spec, eager=eager, record=record)
+    return b, (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x,
+               z)
 
 
 class ConvStep(NamedTuple):

@@ -396,3 +396,123 @@ void intqat_combine_digits(const int32_t *acc, int64_t R, int64_t K, const int32
                           mask ? mask + r * K : 0, out + r * K);
     }
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * NCHW <-> NHWC for the C++ conv step (train_conv.cpp; nchw_layout.h has the why). Values are moved, never
+ * changed, except where a function says which float32 steps it applies on the way (the epilogue's, in its order). */
+#include "nchw_layout.h" /* intqat_transpose_f32, intqat_transpose_i8 */
+
+/* n blocks: dst + b * dbs gets block b of src + b * sbs, (rows, cols) at stride sld transposed to stride dld */
+void intqat_transpose_f32_batch(const float *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                                float *dst, int64_t dld, int64_t dbs) {
+    OMP_FOR_IF(n * rows * cols)
+    for (int64_t b = 0; b < n; ++b) intqat_transpose_f32(src + b * sbs, rows, cols, sld, dst + b * dbs, dld);
+}
+
+/* the same for int8 codes, each byte XORed with flip (0: the codes; 0x80: u8 codes q + 128) */
+void intqat_transpose_i8_batch(const int8_t *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                               uint8_t *dst, int64_t dld, int64_t dbs, uint8_t flip) {
+    OMP_FOR_IF(n * rows * cols)
+    for (int64_t b = 0; b < n; ++b) intqat_transpose_i8(src + b * sbs, rows, cols, sld, dst + b * dbs, dld, flip);
+}
+
+/* rows (B * P, N) -> y (B, N, P): each tile of up to 16 rows computed by one row function into a buffer, then
+ * transposed into y (the output pass and the NHWC -> NCHW copy in one).
+ *   kind 0 (intqat_epilogue's rows): y = float32(acc - z_x * colsum) * (sx * s_w[n]) (+ bias[n])   (epilogue_row)
+ *   kind 1 (a float accumulator):    y = accf * scale[n] (+ bias[n])   (_scaled_'s mul_, then add_) */
+static void rows_to_nchw(int kind, const int32_t *acc, const float *accf, int64_t B, int64_t P, int64_t N,
+                         int32_t z_x, const int32_t *colsum, float sx, const float *s_w, const float *bias, float *y) {
+    const int64_t tiles = (P + 15) / 16;
+    INTQAT_PRAGMA(omp parallel if (B * P * N >= INTQAT_GRAIN))
+    {
+        float *buf = (float *)malloc(sizeof(float) * 16 * (N > 0 ? N : 1));
+        INTQAT_PRAGMA(omp for schedule(static))
+        for (int64_t t = 0; t < B * tiles; ++t) {
+            const int64_t b = t / tiles, p0 = t % tiles * 16, rn = P - p0 < 16 ? P - p0 : 16;
+            for (int64_t r = 0; r < rn; ++r) {
+                const int64_t m = b * P + p0 + r;
+                if (kind == 0) {
+                    epilogue_row(acc + m * N, N, z_x, colsum, sx, s_w, bias, buf + r * N);
+                } else {
+                    const float *a = accf + m * N;
+                    float *o = buf + r * N;
+                    if (bias)
+                        for (int64_t n = 0; n < N; ++n) o[n] = a[n] * s_w[n] + bias[n];
+                    else
+                        for (int64_t n = 0; n < N; ++n) o[n] = a[n] * s_w[n];
+                }
+            }
+            intqat_transpose_f32(buf, rn, N, N, y + b * N * P + p0, P);
+        }
+        free(buf);
+    }
+}
+
+void intqat_epilogue_nchw(const int32_t *acc, int64_t B, int64_t P, int64_t N, int32_t z_x, const int32_t *colsum,
+                          float sx, const float *s_w, const float *bias, float *y) {
+    rows_to_nchw(0, acc, 0, B, P, N, z_x, colsum, sx, s_w, bias, y);
+}
+
+void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const float *scale, const float *bias,
+                       float *y) {
+    rows_to_nchw(1, 0, acc, B, P, N, 0, 0, 0.0f, scale, bias, y);
+}
+
+/* y (B, N, P) in place: y = y * scale[n] (+ bias[n]), _scaled_'s mul_ then add_ in one pass; channels_last: y is
+ * (B * P, N) rows instead (the same values, walked in memory order) */
+void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channels_last, const float *scale,
+                           const float *bias) {
+    if (channels_last) {
+        OMP_FOR_IF(B * P * N)
+        for (int64_t m = 0; m < B * P; ++m) {
+            float *r = y + m * N;
+            if (bias)
+                for (int64_t n = 0; n < N; ++n) r[n] = r[n] * scale[n] + bias[n];
+            else
+                for (int64_t n = 0; n < N; ++n) r[n] = r[n] * scale[n];
+        }
+        return;
+    }
+    OMP_FOR_IF(B * P * N)
+    for (int64_t t = 0; t < B * N; ++t) {
+        float *r = y + t * P;
+        const float s = scale[t % N], c = bias ? bias[t % N] : 0.0f;
+        if (bias)
+            for (int64_t p = 0; p < P; ++p) r[p] = r[p] * s + c;
+        else
+            for (int64_t p = 0; p < P; ++p) r[p] = r[p] * s;
+    }
+}
+
+/* intqat_quantize_rows of one row x (n,) with one scale (codes in x's memory order), the clip mask written as bits
+ * (intqat_pack_bits' layout) instead of bool bytes: the same codes and bits as those two passes, in one, parallel
+ * over chunks of 4096 elements (a per-tensor quantize of a whole activation is one row: intqat_quantize_rows would
+ * run it on one thread). */
+void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z, float qmin, float qmax, int8_t *out,
+                          uint8_t *bits) {
+    enum { CHUNK = 4096 };
+    const float inv = 1.0f / scale[0];
+    const int64_t chunks = (n + CHUNK - 1) / CHUNK;
+    OMP_FOR_IF(n)
+    for (int64_t t = 0; t < chunks; ++t) {
+        uint8_t mask[CHUNK];
+        const int64_t k0 = t * CHUNK, len = n - k0 < CHUNK ? n - k0 : CHUNK;
+        const float *xi = x + k0;
+        int8_t *oi = out + k0;
+        for (int64_t k = 0; k < len; ++k) {
+            const float r = round_shift(xi[k], inv, z);
+            const float q = clampf(r, qmin, qmax);
+            oi[k] = (int8_t)(int32_t)q;
+            mask[k] = (uint8_t)(q == r);
+        }
+        uint8_t *bi = bits + k0 / 8;
+        const int64_t full = len / 8;
+        for (int64_t j = 0; j < full; ++j)
+            bi[j] = (uint8_t)(((load_u64(mask + 8 * j) & MASK_LOW_BITS) * MASK_GATHER) >> 56);
+        if (len % 8) {  /* (the last chunk only: CHUNK is a multiple of 8) */
+            uint8_t b = 0;
+            for (int64_t k = 8 * full; k < len; ++k) b |= (uint8_t)((mask[k] != 0) << (k - 8 * full));
+            bi[full] = b;
+        }
+    }
+}

@@ -26,7 +26,13 @@
  *             grad_x = fold((g_mat s_w[o]) @ q_w_cols)   (M, kh*kw*C) -> each pixel's window sum, (i, j) order
  *             grad_b = sum of g over (B, Ho, Wo) (when either GEMM is digits)
  * The clip masks are kept as bits (1/8 of the bool masks' bytes; packed in the codes' memory order) and applied in
- * place on the fresh gradients: where(mask, grad, 0) of the Python path, the same values. */
+ * place on the fresh gradients: where(mask, grad, 0) of the Python path, the same values.
+ * Layouts (2026-11-28): an NCHW conv moves between NCHW and the GEMMs' NHWC rows with blocked SSE transposes
+ * (nchw_layout.h) instead of aten's permuted copies: the epilogue (or oneDNN's accumulator's scaling) writes the
+ * NCHW output directly (fused.c intqat_epilogue_nchw / intqat_scale_nchw), oneDNN gets u8 NHWC codes, g becomes
+ * NHWC rows and grad_x's padded NHWC sums NCHW by transposes. Values are moved, never recomputed: the same bits.
+ * Values that die inside the call (bool masks, u8 codes, the int32 accumulator, x_hat / w_hat) live in per-thread
+ * scratch (scratch.h), so a step faults in no fresh pages for them. */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,10 +42,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
 #include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
+#include "nchw_layout.h"  // intqat_transpose_f32 (one block; the batches and the fused passes are fused.c's)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
 #include "scratch.h"  // intqat::scratch
 
@@ -50,6 +58,20 @@ void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, cons
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                             float z, float *out);
+// NCHW <-> NHWC (nchw_layout.h): batched transposes, and the epilogue / the float accumulator's scaling written
+// straight into an NCHW output
+void intqat_transpose_f32_batch(const float *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                                float *dst, int64_t dld, int64_t dbs);
+void intqat_transpose_i8_batch(const int8_t *src, int64_t n, int64_t rows, int64_t cols, int64_t sld, int64_t sbs,
+                               uint8_t *dst, int64_t dld, int64_t dbs, uint8_t flip);
+void intqat_epilogue_nchw(const int32_t *acc, int64_t B, int64_t P, int64_t N, int32_t z_x, const int32_t *colsum,
+                          float sx, const float *s_w, const float *bias, float *y);
+void intqat_scale_nchw(const float *acc, int64_t B, int64_t P, int64_t N, const float *scale, const float *bias,
+                       float *y);
+void intqat_scale_channels(float *y, int64_t B, int64_t N, int64_t P, int channels_last, const float *scale,
+                           const float *bias);
+void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z, float qmin, float qmax, int8_t *out,
+                          uint8_t *bits);
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
@@ -71,12 +93,23 @@ bool channels_last(const at::Tensor &t) {  // int_conv2d.is_channels_last
     return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
 }
 
+/* A tensor shaped and laid out as `like` (contiguous or channels_last), over this thread's scratch `role`: for values
+ * that die inside this op call (a fresh multi-MB tensor per call costs its page faults every step). */
+at::Tensor scratch_like(const char *role, const at::Tensor &like, at::ScalarType dtype) {
+    if (channels_last(like))
+        return intqat::scratch(role, {like.size(0), like.size(2), like.size(3), like.size(1)}, dtype).permute({0, 3, 1, 2});
+    TORCH_CHECK(like.is_contiguous(), "intqat_train::int_conv2d: scratch_like takes a dense tensor");
+    return intqat::scratch(role, like.sizes(), dtype);
+}
+
 /* (q - z) * s, one scale (per_row false: q walked in memory order, in its layout) or one per row of a
- * contiguous q: cpu_kernels.dequantize_rows. */
-at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row) {
+ * contiguous q: cpu_kernels.dequantize_rows. role: into this thread's scratch (the values die in this call). */
+at::Tensor dequantized(const at::Tensor &q_in, const at::Tensor &scale, float z, bool per_row, const char *role) {
     const at::Tensor q = (per_row || !dense(q_in)) ? q_in.contiguous() : q_in;
-    at::Tensor out = at::empty_like(q, at::kFloat);
-    const int64_t rows = per_row ? q.size(0) : 1;
+    at::Tensor out = scratch_like(role, q, at::kFloat);
+    // one scale: any cut into rows gives the same elements; the outermost dim's (contiguous blocks in memory order, for
+    // both layouts) lets the pass run on every thread (one row would be one thread's)
+    const int64_t rows = q.dim() && q.size(0) ? q.size(0) : 1;
     if (q.numel())
         intqat_dequantize_rows(q.data_ptr<int8_t>(), rows, q.numel() / rows, scale.data_ptr<float>(), per_row ? 1 : 0,
                                z, out.data_ptr<float>());
@@ -115,7 +148,10 @@ at::Tensor int_mm(const at::Tensor &a, const at::Tensor &b, int64_t gemm) {
     const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
     const auto i32 = at::TensorOptions().dtype(at::kInt);
     if (M == 0) return at::empty({0, N}, i32);  // no rows: the reference's empty product
-    if (gemm == 0) return at::_int_mm(intqat::int_mm_operand(a), intqat::int_mm_operand(b));
+    if (gemm == 0) {  // (the accumulator dies in the epilogue: scratch)
+        at::Tensor c = intqat::scratch("acc", {M, N}, at::kInt);
+        return at::_int_mm_out(c, intqat::int_mm_operand(a), intqat::int_mm_operand(b));
+    }
     const int64_t kp = K + (K & 1);
     at::Tensor ap = intqat::scratch("int16_a", {(M + 11) / 12 * 12 * kp}, at::kShort);  // (the packs die here)
     at::Tensor bp = intqat::scratch("int16_b", {(N + 15) / 16 * 16 * kp}, at::kShort);
@@ -151,11 +187,31 @@ at::Tensor onednn_one(const at::Tensor &u8, int64_t zp, const at::Tensor &q_w, a
 at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, at::IntArrayRef stride,
                       at::IntArrayRef padding, at::IntArrayRef dilation) {
     constexpr int64_t limit = (int64_t(1) << 24) / 255;  // conv_onednn.WEIGHT_ABS_LIMIT
-    const at::Tensor u8 = q_x.view(at::kByte).bitwise_xor(128);
+    // u8 codes (q + 128: the sign bit flipped) as NHWC, the layout oneDNN's int8 conv runs in (an NCHW input it would
+    // reorder itself, ~2x the transpose here)
+    at::Tensor u8;
+    if (q_x.is_contiguous() && !channels_last(q_x) && q_x.numel()) {
+        const int64_t B = q_x.size(0), C = q_x.size(1), P = q_x.size(2) * q_x.size(3);
+        u8 = intqat::scratch("u8", {B, q_x.size(2), q_x.size(3), C}, at::kByte).permute({0, 3, 1, 2});  // (dies here)
+        intqat_transpose_i8_batch(q_x.data_ptr<int8_t>(), B, C, P, P, C * P, u8.data_ptr<uint8_t>(), C, P * C, 0x80);
+    } else {
+        u8 = q_x.view(at::kByte).bitwise_xor(128);
+    }
     const int64_t zp = (int64_t)z + 128;
+    {  // the common case in one loop: every output channel's sum |q_w| within the limit -> one conv
+        const at::Tensor qw = q_w.contiguous();
+        const int8_t *w = qw.data_ptr<int8_t>();
+        const int64_t O = qw.size(0), per_o = qw.numel() / std::max<int64_t>(O, 1);
+        int64_t most = 0;
+        for (int64_t o = 0; o < O; ++o) {
+            int64_t sum = 0;
+            for (int64_t k = 0; k < per_o; ++k) sum += std::abs((int32_t)w[o * per_o + k]);
+            most = std::max(most, sum);
+        }
+        if (qw.size(1) == 0 || most <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
+    }
     const at::Tensor per = q_w.to(at::kInt).abs().sum({2, 3}).to(at::kLong).contiguous();  // (O, C)
     const int64_t O = per.size(0), C = per.size(1);
-    if (C == 0 || per.sum(1).max().item<int64_t>() <= limit) return onednn_one(u8, zp, q_w, stride, padding, dilation);
     const auto a = per.accessor<int64_t, 2>();
     std::vector<int64_t> run(O, 0);
     at::Tensor acc;
@@ -177,6 +233,34 @@ at::Tensor onednn_acc(const at::Tensor &q_x, int32_t z, const at::Tensor &q_w, a
     return acc.to(at::kFloat);
 }
 
+/* (B, C, H, W) int8 codes as NHWC rows (B, H, W, C): q itself when channels_last, else a blocked transpose into this
+ * thread's scratch `role` (it dies in the caller); the codes moved, not changed. */
+at::Tensor nhwc_codes(const at::Tensor &q, const char *role) {
+    const int64_t B = q.size(0), C = q.size(1), H = q.size(2), W = q.size(3), P = H * W;
+    if (!q.is_contiguous() || q.is_contiguous(at::MemoryFormat::ChannelsLast)) return q.permute({0, 2, 3, 1}).contiguous();
+    at::Tensor out = intqat::scratch(role, {B, H, W, C}, at::kChar);
+    intqat_transpose_i8_batch(q.data_ptr<int8_t>(), B, C, P, P, C * P, (uint8_t *)out.data_ptr<int8_t>(), C, P * C, 0);
+    return out;
+}
+
+/* padded NHWC sums (B, H + 2 ph, W + 2 pw, C) -> grad_x (B, C, H, W) in like's layout (the interior, moved) */
+at::Tensor interior_like(const at::Tensor &out, const at::Tensor &like, int64_t ph, int64_t pw) {
+    const int64_t B = like.size(0), C = like.size(1), H = like.size(2), W = like.size(3);
+    const int64_t Hp = out.size(1), Wp = out.size(2);
+    if (channels_last(like) || !like.is_contiguous() || !out.is_contiguous())
+        return at::empty_like(like, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+    at::Tensor gx = at::empty({B, C, H, W}, at::TensorOptions().dtype(at::kFloat));
+    const float *src = out.data_ptr<float>();
+    float *dst = gx.data_ptr<float>();
+    at::parallel_for(0, B * H, std::max<int64_t>(1, 32768 / std::max<int64_t>(W * C, 1)), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {  // one input row (b, h): (W, C) -> (C, W) at stride H*W
+            const int64_t b = r / H, h = r % H;
+            intqat_transpose_f32(src + ((b * Hp + ph + h) * Wp + pw) * C, W, C, C, dst + b * C * H * W + h * W, H * W);
+        }
+    });
+    return gx;
+}
+
 /* int_conv2d._im2col for groups == 1: (B, C, H, W) codes -> (B*Ho*Wo, kh*kw*C), columns (i, j, c), c fastest, in one
  * C pass (an exact copy: the Python path's codes, so the same bits downstream): a
  * memcpy of a pixel's C codes per (output pixel, i, j), the zero point's code where the window leaves the input.
@@ -188,7 +272,9 @@ at::Tensor im2col_rows(const at::Tensor &q_x, int32_t z, int64_t kh, int64_t kw,
                   dw = dilation[1];
     Ho = (H + 2 * ph - dh * (kh - 1) - 1) / sh + 1;
     Wo = (W + 2 * pw - dw * (kw - 1) - 1) / sw + 1;
-    const at::Tensor q = q_x.permute({0, 2, 3, 1}).contiguous();  // NHWC (a view for channels_last codes)
+    const at::Tensor q = nhwc_codes(q_x, "q_nhwc");  // NHWC (q_x itself for channels_last codes)
+    if (kh == 1 && kw == 1 && sh == 1 && sw == 1 && ph == 0 && pw == 0)
+        return q.view({B * H * W, C});  // a 1x1 window at stride 1: each pixel's codes are its column
     const int64_t Kc = kh * kw * C, ho = Ho, wo = Wo;
     // (cols die in the GEMM that reads them: this thread's scratch, no fresh pages to fault in)
     at::Tensor cols = intqat::scratch("cols", {B * Ho * Wo, Kc}, at::kChar);
@@ -316,7 +402,7 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
                           part, Ho, Wo, C, kh, kw, stride, dilation);
             }
         });
-        return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+        return interior_like(out, q_x, ph, pw);
     }
     for (int64_t b0 = 0; b0 < B; b0 += step) {
         const int64_t n = std::min(step, B - b0);
@@ -326,7 +412,23 @@ at::Tensor grad_x_digits(const at::Tensor &g_mat, const at::Tensor &s_w, const a
         fold_into(digits_mm(g_mat.narrow(0, b0 * Ho * Wo, n * Ho * Wo), s_w, wcols, 0, amx, chunk), part, Ho, Wo, C,
                   kh, kw, stride, dilation);
     }
-    return at::empty_like(q_x, at::kFloat).copy_(out.slice(1, ph, ph + H).slice(2, pw, pw + W).permute({0, 3, 1, 2}));
+    return interior_like(out, q_x, ph, pw);
+}
+
+/* int_conv2d._scaled_: y = acc * (s_x s_w[o]) + b[o] in place on acc (B, O, Ho, Wo) fp32, NCHW or channels_last
+ * (one pass: the same mul, then add, per element); other layouts: aten's mul_ and add_ */
+at::Tensor scaled_(at::Tensor acc, const at::Tensor &s_x, const at::Tensor &s_w, const at::Tensor &bias) {
+    const int64_t O = acc.size(1);
+    const at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1}).contiguous();
+    const bool cl = channels_last(acc);
+    if (!(cl || acc.is_contiguous())) {
+        acc.mul_(scale);
+        return bias.defined() ? acc.add_(bias.reshape({1, O, 1, 1})) : acc;
+    }
+    if (acc.numel())
+        intqat_scale_channels(acc.data_ptr<float>(), acc.size(0), O, acc.size(2) * acc.size(3), cl,
+                              scale.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr);
+    return acc;
 }
 
 at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x, const at::Tensor &q_w,
@@ -336,30 +438,41 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     const int64_t B = q_x.size(0), O = q_w.size(0), kh = q_w.size(2), kw = q_w.size(3);
     if (groups > 1) {  // int_conv2d._grouped_forward (the caller checked C/g * kh * kw <= 512: one conv)
         const at::Tensor one = at::ones({}, at::TensorOptions().dtype(at::kFloat));
-        at::Tensor xz = dequantized(q_x, one, (float)z, false);
-        at::Tensor acc = at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups);
-        at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
-        at::Tensor y = acc.mul_(scale);
-        return bias.defined() ? y.add_(bias.reshape({1, O, 1, 1})) : y;
+        at::Tensor xz = dequantized(q_x, one, (float)z, false, "xz");  // (dies in the conv)
+        return scaled_(at::conv2d(xz, q_w.to(at::kFloat), {}, stride, padding, dilation, groups), s_x, s_w, bias);
     }
     if (gemm == 2) {  // int_conv2d.conv_codes_forward's conv_int8 branch (backend onednn_conv)
         at::Tensor acc = onednn_acc(q_x, z, q_w, stride, padding, dilation);
         at::Tensor scale = (s_x.reshape({1, 1}) * s_w.reshape({1, -1})).reshape({1, O, 1, 1});
-        at::Tensor y = acc.mul_(scale);
-        if (bias.defined()) y.add_(bias.reshape({1, O, 1, 1}));
+        if (!channels_last(q_x) && channels_last(acc)) {
+            // NCHW output: acc's NHWC rows scaled (mul, then add: _scaled_'s two float steps) into the transposed y
+            const int64_t P = acc.size(2) * acc.size(3);
+            at::Tensor y = at::empty({B, O, acc.size(2), acc.size(3)}, at::TensorOptions().dtype(at::kFloat));
+            if (y.numel())
+                intqat_scale_nchw(acc.data_ptr<float>(), B, P, O, scale.data_ptr<float>(),
+                                  bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+            return y;
+        }
+        at::Tensor y = scaled_(acc, s_x, s_w, bias);
         return channels_last(q_x) ? y : y.contiguous();
     }
     int64_t Ho = 0, Wo = 0;
     at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, Ho, Wo);  // (groups == 1 here)
     at::Tensor wcols = q_w.permute({0, 2, 3, 1}).reshape({O, -1});  // int_conv2d._weight_columns
     at::Tensor acc = int_mm(cols, wcols.t(), gemm);
+    const float *bias_p = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (!channels_last(q_x)) {  // NCHW: the epilogue's rows written straight into the transposed output
+        at::Tensor y = at::empty({B, O, Ho, Wo}, at::TensorOptions().dtype(at::kFloat));
+        if (y.numel())
+            intqat_epilogue_nchw(acc.data_ptr<int32_t>(), B, Ho * Wo, O, z, colsum.data_ptr<int32_t>(),
+                                 s_x.data_ptr<float>()[0], s_w.data_ptr<float>(), bias_p, y.data_ptr<float>());
+        return y;
+    }
     at::Tensor y = at::empty({B * Ho * Wo, O}, at::TensorOptions().dtype(at::kFloat));
     if (y.numel())
         intqat_epilogue(acc.data_ptr<int32_t>(), B * Ho * Wo, O, z, colsum.data_ptr<int32_t>(), s_x.data_ptr<float>(),
-                        0, s_w.data_ptr<float>(), bias.defined() ? bias.data_ptr<float>() : nullptr,
-                        y.data_ptr<float>());
-    y = y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});
-    return channels_last(q_x) ? y : y.contiguous();  // the output takes the input's memory format
+                        0, s_w.data_ptr<float>(), bias_p, y.data_ptr<float>());
+    return y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});  // the output takes the input's memory format
 }
 
 struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
@@ -377,15 +490,19 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // x: codes and clip mask in x's layout (int_conv2d._quantize_input: quantize_with_mask, one scale)
         const at::Tensor s_x = at::full({1, 1}, x_scale, f32);
         const at::Tensor xd = dense(x) ? x : x.contiguous();
-        at::Tensor q_x = at::empty_like(xd, at::kChar), mask_x = at::empty_like(xd, at::kBool);
+        // (one pass: the codes, and the clip mask as bits in the codes' memory order, as packed_bits of the bool mask)
+        at::Tensor q_x = at::empty_like(xd, at::kChar);
+        at::Tensor bits_x = at::empty({(xd.numel() + 7) / 8}, at::TensorOptions().dtype(at::kByte));
         if (xd.numel())
-            intqat_quantize_rows(xd.data_ptr<float>(), 1, xd.numel(), s_x.data_ptr<float>(), 0, (float)z, (float)x_qmin,
-                                 (float)x_qmax, q_x.data_ptr<int8_t>(), (uint8_t *)mask_x.data_ptr(), nullptr);
-        // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows)
+            intqat_quantize_bits(xd.data_ptr<float>(), xd.numel(), s_x.data_ptr<float>(), (float)z, (float)x_qmin,
+                                 (float)x_qmax, q_x.data_ptr<int8_t>(), bits_x.data_ptr<uint8_t>());
+        // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows; the bool
+        // mask dies in its packing: scratch)
         const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
         const at::Tensor s_w = w_scale.detach().reshape({-1}).to(at::kFloat).contiguous();
         at::Tensor q_w = at::empty_like(w2, at::kChar);
-        at::Tensor mask_w = w_clip_mask ? at::empty_like(w2, at::kBool) : at::empty({0}, at::TensorOptions().dtype(at::kBool));
+        at::Tensor mask_w = w_clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
+                                        : at::empty({0}, at::TensorOptions().dtype(at::kBool));
         at::Tensor colsum = at::empty({O}, at::TensorOptions().dtype(at::kInt));
         if (w2.numel())
             intqat_quantize_rows(w2.data_ptr<float>(), O, w2.size(1), s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
@@ -398,7 +515,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
-        ctx->save_for_backward({q_x, packed_bits(mask_x), q_w, packed_bits(mask_w), s_x, s_w});
+        ctx->save_for_backward({q_x, bits_x, q_w, packed_bits(mask_w), s_x, s_w});
         ctx->saved_data["z"] = (int64_t)z;
         ctx->saved_data["stride"] = stride;
         ctx->saved_data["padding"] = padding;
@@ -435,10 +552,16 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                           kh = q_w.size(2), kw = q_w.size(3);
             // g_mat (M, O): g's NHWC rows (a view of channels_last g; else a copy into scratch: it dies here)
             const at::Tensor g_nhwc = g.permute({0, 2, 3, 1});
-            const at::Tensor g_mat = g_nhwc.is_contiguous()
-                                         ? g_nhwc.reshape({B * Ho * Wo, O})
-                                         : intqat::scratch("g_mat", {B, Ho, Wo, O}, at::kFloat).copy_(g_nhwc)
-                                               .view({B * Ho * Wo, O});
+            at::Tensor g_mat;
+            if (g_nhwc.is_contiguous()) {
+                g_mat = g_nhwc.reshape({B * Ho * Wo, O});
+            } else if (g.is_contiguous()) {  // NCHW: each image's (O, Ho*Wo) transposed
+                const int64_t P = Ho * Wo;
+                g_mat = intqat::scratch("g_mat", {B * P, O}, at::kFloat);
+                intqat_transpose_f32_batch(g.data_ptr<float>(), B, O, P, P, O * P, g_mat.data_ptr<float>(), O, P * O);
+            } else {
+                g_mat = intqat::scratch("g_mat", {B, Ho, Wo, O}, at::kFloat).copy_(g_nhwc).view({B * Ho * Wo, O});
+            }
             if (dw) {
                 int64_t ho = 0, wo = 0;
                 const at::Tensor cols = im2col_rows(q_x, z, kh, kw, stride, padding, dilation, ho, wo);
@@ -456,8 +579,11 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         }
         const bool fx = need_x && !gx.defined(), fw = need_w && !gw.defined();
         if (fx || fw || want_b) {
-            const at::Tensor x_hat = dequantized(q_x, s_x, (float)z, false);
-            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1);
+            // grad_input reads x_hat's sizes and layout only (mkldnn_convolution_backward_input(input.sizes(), ...)):
+            // its values are needed for grad_w alone
+            const at::Tensor x_hat = fw ? dequantized(q_x, s_x, (float)z, false, "x_hat")
+                                        : at::empty_like(dense(q_x) ? q_x : q_x.contiguous(), at::kFloat);
+            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1, "w_hat");
             const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
             auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
                                                                        : c10::nullopt,

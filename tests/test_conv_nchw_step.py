@@ -1,0 +1,175 @@
+"""The C++ conv step's layout kernels (kernels/cpu/nchw_layout.h, fused.c's intqat_epilogue_nchw / intqat_scale_nchw /
+intqat_scale_channels / the transposes, train_conv.cpp) and IntConv2d's cached eager step (intqat/nn/conv_step.py)
+against the plain-torch reference, bit for bit.
+
+The transposes work in 16x16 (int8) and 4x4 / 16-row (fp32) tiles with scalar edges: the shapes below put channel
+and pixel counts on both sides of every tile edge (3, 5, 17, 19 channels; 9x11, 7x7 maps), with padding, stride 2,
+1x1 windows (whose columns are the NHWC codes themselves), NCHW, channels_last and non-dense inputs, on each forward
+GEMM the step runs (torch._int_mm after im2col, oneDNN's int8 conv, the grouped fp32 conv of the codes) and with the
+backward's digit GEMMs forced on (g as NHWC rows, grad_x back to NCHW).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import intqat
+from intqat.ops import backends, conv_onednn, cpp_step
+from intqat.ops.int_conv2d import int_conv2d
+
+S_X, Z_X = 0.03, -4.0  # randn * 2 inputs clip at |x| > ~3.7: the input mask is active
+
+
+@pytest.fixture(autouse=True)
+def _op_runs_here():
+    reason = cpp_step.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"C++ training op cannot run here: {reason}")
+
+
+def _step(how: str, case: dict, g_seed: int = 1):
+    """int_conv2d forward + backward -> (node, y, grad_x, grad_w, grad_b). how: "cpp" (the table's choice, the C++
+    step), "reference" (the Python path on the reference backend: the definition), "python" (the Python path on the
+    table's kernels: the digit GEMMs' definition), or "cpp:<backend>" forced."""
+    B, C, O, H, W = case["shape"]
+    k, groups, layout = case.get("k", 3), case.get("groups", 1), case.get("layout", "nchw")
+    gen = torch.Generator().manual_seed(case.get("seed", 0))
+    x = torch.randn(B, C, H, W, generator=gen) * 2
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":  # not dense: every other column of a wider tensor
+        x = (torch.randn(B, C, H, 2 * W, generator=gen) * 2)[..., ::2]
+    w = torch.randn(O, C // groups, k, k, generator=gen) * 0.3
+    b = torch.randn(O, generator=gen) if case.get("bias", True) else None
+    s_w = w.abs().amax(dim=(1, 2, 3)) / 127 * 0.7  # 0.7: the largest weights clip (the weight mask is active)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    forced = "reference" if how == "reference" else how.partition(":")[2] or None
+    ctx = backends.use_backend(forced) if forced else contextlib.nullcontext()
+    with ctx, (cpp_step.disabled() if how in ("reference", "python") else contextlib.nullcontext()):
+        y = int_conv2d(x, w, b, torch.tensor([S_X]), torch.tensor([Z_X]), s_w, stride=case.get("stride", 1),
+                       padding=case.get("padding", 1), groups=groups)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(g_seed)))
+    return y.grad_fn.name(), y.detach(), x.grad, w.grad, None if b is None else b.grad
+
+
+def _same(got, want):
+    for name, a, b in zip(("y", "grad_x", "grad_w", "grad_b"), got[1:], want[1:]):
+        assert (a is None) == (b is None), name
+        if a is not None:  # the bits: NaN == NaN, -0.0 != 0.0
+            assert a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)), (
+                f"{name}: max |diff| {(a - b).abs().nan_to_num().max()}")
+
+
+CASES = {  # shape (B, C, O, H, W)
+    "3x3-odd": dict(shape=(2, 5, 19, 9, 11)),
+    "3x3-odd-cl": dict(shape=(2, 5, 19, 9, 11), layout="channels_last"),
+    "3x3-strided": dict(shape=(2, 17, 6, 7, 7), layout="strided"),
+    "3x3s2-nobias": dict(shape=(3, 17, 33, 11, 9), stride=2, bias=False),
+    "stem-3ch-s2": dict(shape=(2, 3, 20, 13, 15), stride=2),
+    "1x1": dict(shape=(2, 19, 7, 9, 11), k=1, padding=0),
+    "1x1-cl": dict(shape=(2, 19, 7, 9, 11), k=1, padding=0, layout="channels_last"),
+    "1x1s2": dict(shape=(2, 19, 7, 9, 11), k=1, padding=0, stride=2),
+    "16ch-tiles": dict(shape=(2, 32, 48, 8, 8)),  # whole 16x16 tiles, no edges
+    "depthwise": dict(shape=(2, 19, 19, 9, 11), groups=19),
+    "depthwise-cl-s2": dict(shape=(2, 6, 12, 9, 11), groups=6, stride=2, layout="channels_last"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_table_s_choice_equals_the_reference(name):
+    got, want = _step("cpp", CASES[name]), _step("reference", CASES[name])
+    assert "IntConv2dTrain" in got[0] and want[0] == "_IntConv2dEagerBackward"  # each path really ran
+    assert got[1].stride() == want[1].stride()  # the output takes the input's memory format
+    _same(got, want)
+
+
+@pytest.mark.skipif(conv_onednn.unavailable_reason() is not None,
+                    reason=f"oneDNN's int8 conv: {conv_onednn.unavailable_reason()}")
+@pytest.mark.parametrize("name", ["3x3-odd", "3x3-odd-cl", "3x3-strided", "1x1", "16ch-tiles"])
+def test_onednn_forward_equals_the_reference(name):
+    """oneDNN's int8 conv fed u8 NHWC codes, its accumulator scaled straight into NCHW (or in place)."""
+    with backends.recording() as ran:
+        got = _step("cpp:onednn_conv", CASES[name])
+    assert "IntConv2dTrain" in got[0] and ran[("conv_int8", "onednn_conv")] == 1, dict(ran)
+    _same(got, _step("reference", CASES[name]))
+
+
+@pytest.mark.parametrize("name", ["3x3-odd", "3x3s2-nobias", "stem-3ch-s2", "1x1", "1x1s2", "16ch-tiles"])
+def test_im2col_forward_equals_the_reference(name):
+    """im2col + torch._int_mm, the epilogue written straight into NCHW."""
+    with backends.recording() as ran:
+        got = _step("cpp:cpu_fused", CASES[name])
+    assert "IntConv2dTrain" in got[0] and ran[("int_mm", "cpu_fused")] == 1, dict(ran)
+    _same(got, _step("reference", CASES[name]))
+
+
+@pytest.mark.parametrize("name", ["3x3-odd", "3x3s2-nobias", "1x1s2", "3x3-odd-cl", "16ch-tiles"])
+def test_digit_backward_equals_the_reference(name, monkeypatch):
+    """Both backward GEMMs as digits (the rule forced on): g's NCHW transposed into NHWC rows, grad_x's padded NHWC
+    sums transposed back. The digit GEMM is not the exact STE product (test_conv_digit_backward bounds it): the
+    definition of its bits is the Python path on the same kernels."""
+    from test_conv_digit_backward import _rule
+
+    _rule(monkeypatch, True)
+    b = backends.select("digit_matmul", record=False, at_run_time=True)
+    if b is None or b.name not in ("amx", "cpu_fused"):
+        pytest.skip(f"no digit GEMM kernel runs here (the table picks {b and b.name})")
+    with backends.recording() as ran:
+        got = _step("cpp", CASES[name])
+    assert sum(c for (p, _), c in ran.items() if p == "digit_matmul") == 2, dict(ran)
+    with backends.recording() as ran:
+        want = _step("python", CASES[name])
+    assert sum(c for (p, _), c in ran.items() if p == "digit_matmul") == 2, dict(ran)
+    assert want[0] == "_IntConv2dEagerBackward"
+    _same(got, want)
+
+
+def _resnet_ish(layout):
+    m = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                      nn.Conv2d(16, 19, 3, 1, 1), nn.BatchNorm2d(19), nn.ReLU(), nn.Conv2d(19, 8, 1),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return m.to(memory_format=layout)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_cached_eager_step_trains_like_int_conv2d(layout, monkeypatch):
+    """IntConv2d's step decided once per input shape (conv_step) gives int_conv2d's bits over training steps, also
+    when the input shape changes (a new decision); and its BN fold's eager 1/sqrt(var + eps) is the opaque op's."""
+    import intqat.nn.conv as conv_mod
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(n, 3, hw, hw, generator=gen).contiguous(memory_format=layout)
+               for n, hw in ((4, 12), (4, 12), (3, 9), (4, 12))]
+    targets = [torch.randint(0, 4, (x.shape[0],), generator=gen) for x in batches]
+
+    def train(cached: bool):
+        torch.manual_seed(0)
+        m = _resnet_ish(layout)
+        intqat.prepare_qat(m, "w8a8")
+        intqat.calibrate(m, batches[:1])
+        intqat.to_integer(m)
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with monkeypatch.context() as mp:
+            if not cached:
+                mp.setattr(conv_mod, "conv_step", lambda *a, **k: None)  # int_conv2d on every call
+            for x, y in zip(batches, targets):
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        return m, [p.detach().clone() for p in m.parameters()]
+
+    m, got = train(True)
+    assert "_conv_step" in m[0].__dict__  # the cache was used
+    _, want = train(False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    bn = m[0].bn
+    eager = conv_mod._fold_scale(bn, bn.weight)
+    assert torch.equal(eager, bn.weight * conv_mod._bn_inv_std(bn.running_var, bn.eps))
