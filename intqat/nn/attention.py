@@ -279,12 +279,19 @@ class IntMultiheadAttention(_QuantMHABase):
     def _project(self, group: str, x: Tensor, rows: slice) -> Tensor:
         w, wq_name, w_rows = self._weight(group)
         aq, wq = getattr(self, f"{group[0]}_input_quantizer"), getattr(self, wq_name)
-        aq.integer_input(x)  # as IntLinear: observes (while observing), refuses NaN / inf in training, checks the scale
         rows_w = rows if w_rows is None else w_rows
         whole = rows_w == slice(None) or rows_w == slice(0, w.shape[0])  # no slice: no scatter of the gradient
-        # min-max per-channel scales: the op computes them per row, the same numbers as for the whole weight
-        w_scale = None if (wq.scale is None and wq.per_channel) else wq.channel_scale(w)[rows_w]
         bias = self.in_proj_bias if (whole and self._qkv_same_embed_dim) else self._bias(rows)
+        minmax_w = wq.scale is None and wq.per_channel
+        if minmax_w:  # (the path below calls the op too, grad or not)
+            # as IntLinear: the observer and the C++ step in one op call (eager_step.fused_linear), or the path below
+            y = eager_step.fused_linear(self, group, x, w if whole else w[rows_w], bias, aq, wq.qmin, wq.qmax,
+                                        self.out_proj.grad_gemm)
+            if y is not None:
+                return y
+        aq.integer_input(x)  # as IntLinear: observes (while observing), refuses NaN / inf in training, checks the scale
+        # min-max per-channel scales: the op computes them per row, the same numbers as for the whole weight
+        w_scale = None if minmax_w else wq.channel_scale(w)[rows_w]
         if w_scale is None:  # the C++ step, decided once per input shape (eager_step.py); else int_linear's path
             y = eager_step.linear_step(self, group, x, w if whole else w[rows_w], bias, aq, wq.qmin, wq.qmax,
                                        self.out_proj.grad_gemm)

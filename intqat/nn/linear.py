@@ -150,12 +150,17 @@ class IntLinear(_QuantLinearBase):
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
-        aq = self.input_quantizer
-        aq.integer_input(x)  # observes (while observing), refuses NaN / inf in training, checks the scale
+        aq, wq = self.input_quantizer, self.weight_quantizer
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
-        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
-            wq = self.weight_quantizer
+        op = torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting()
+        if op and wq.scale is None and wq.per_channel:
+            # the observer and the C++ step in one op call (eager_step.fused_linear), or None: the path below
+            y = eager_step.fused_linear(self, "linear", x, self.w_nk(), self.bias, aq, wq.qmin, wq.qmax, self.grad_gemm)
+            if y is not None:
+                return self._requantize(y)  # (float32 in, float32 out: in_input_dtype has nothing to do)
+        aq.integer_input(x)  # observes (while observing), refuses NaN / inf in training, checks the scale
+        if op:
             # min-max per-channel scales: the op computes them in the pass that makes the codes
             w = self.w_nk()
             try:

@@ -36,7 +36,8 @@ from intqat.ops import cbuild, cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
-           "observe_minmax_", "LINEAR_GEMMS", "CONV_ONEDNN", "run_grouped"]
+           "observe_minmax_", "observed_linear_op", "OBSERVE_NOTHING",
+           "OBSERVE_CHECK", "OBSERVE_UPDATE", "LINEAR_GEMMS", "CONV_ONEDNN", "run_grouped"]
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -116,6 +117,9 @@ _linear_op = None
 _conv_op = None
 _grouped_op = None
 _observe_op = None
+# observed_int_linear's `observe`: eval-mode training (the kept scale) / training with the observer off (refuse
+# NaN / inf: the op hands such a batch back) / training, observing (the update, then the step)
+OBSERVE_NOTHING, OBSERVE_CHECK, OBSERVE_UPDATE = 0, 1, 2
 
 
 def run_linear(gemm: int, digits_x: bool, digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None,
@@ -168,3 +172,14 @@ def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, 
         _observe_op = torch.ops.intqat_train.observe_minmax_.default
     return _observe_op(x, min_val, max_val, scale, zero_point, initialized, first, moving_average,
                        averaging_constant, qmin, qmax, symmetric, SCALE_EPS)
+
+
+def observed_linear_op():
+    """intqat_train::observed_int_linear (kernels/cpu/train_linear.cpp): a static activation observer's update and
+    the linear step in one call, for intqat.nn.eager_step.fused_linear, which calls it directly (its hot path):
+
+        op(x (..., K) fp32, weight, bias, min_val, max_val, scale, zero_point, initialized, observe, first,
+           moving_average, averaging_constant, symmetric, x_qmin, x_qmax, w_qmin, w_qmax, gemm, digits_x, digits_w,
+           eps) -> y (..., N), or an empty (0,) tensor, nothing changed: the general path must run.
+    Call only when `available()`."""
+    return torch.ops.intqat_train.observed_int_linear.default

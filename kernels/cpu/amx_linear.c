@@ -20,6 +20,8 @@
 
 #ifdef INTQAT_HAVE_AMX
 
+#define AMX_PARALLEL_MIN 32768 /* bytes of packed weight: fused.c's INTQAT_GRAIN, the passes' threshold */
+
 /* r[n] (16 int32 each) -> its transpose, in four rounds that swap the off-diagonal 1-, 2-, 4-, 8-wide
  * blocks of every 2x2 block arrangement (the composition of the four is the transpose). Round b
  * makes row i (bit b clear) from [r[i] where column bit b is clear, r[i + b] shifted left by b where
@@ -55,7 +57,8 @@ static inline void transpose_16x16_epi32(__m512i r[16]) {
  * transposed as a 16x16 int32 matrix and written as 16 groups. Kp % 64 == 0, Np % 32 == 0. */
 void intqat_amx_pack_bt(const int8_t *q, int64_t N, int64_t K, int64_t qs, int64_t Kp, int64_t Np, int8_t *bpack) {
     const int64_t groups = Kp / 4;
-#pragma omp parallel for schedule(static)
+    /* one thread below AMX_PARALLEL_MIN bytes (a small layer's weight: the fork / join costs more than the pack) */
+#pragma omp parallel for schedule(static) if (Np * Kp >= AMX_PARALLEL_MIN)
     for (int64_t nb = 0; nb < Np / 16; ++nb) {
         for (int64_t k0 = 0; k0 < Kp; k0 += 64) {
             const __mmask64 cols = k0 + 64 <= K ? ~(__mmask64)0 : (k0 < K ? ((__mmask64)1 << (K - k0)) - 1 : 0);
@@ -73,7 +76,8 @@ void intqat_amx_linear(const int8_t *qx, const int8_t *qx_tail, int64_t M, int64
                        int64_t Kp, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                        int64_t sx_stride, const float *s_w, const float *bias, float *y) {
     const int64_t row_blocks = (M + 31) / 32, col_blocks = (N + 31) / 32, full_blocks = M / 32;
-#pragma omp parallel
+    /* one output block (a classifier head on a few tokens): one thread, no fork / join */
+#pragma omp parallel if (row_blocks * col_blocks > 1)
     {
         configure_tiles();
         int32_t acc[32][32]; /* one output block: 4 KB, L1-resident */

@@ -29,12 +29,18 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "int_mm_layout.h"  // intqat::int_mm_operand
+#include "observe.h"  // intqat::train::observe_update, one_float
+#include "quantize_bits.h"  // intqat::train::quantize_bits: static codes and mask bits in one pass
 #include "train_common.h"  // the fused passes, masks as bits, activation codes, the node's state, grad_w / grad_b
 
 extern "C" {  // fused.c (the library intqat.ops.cpu_kernels loads)
+void intqat_minmax(const float *x, int64_t n, float *out);
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 // int16_gemm.c (the avx2_int16 backend's linear; in every build, an aborting stub without AVX2, which the
@@ -92,7 +98,16 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
 
         // activations: static per-tensor (clip mask kept for the STE) or dynamic per-token (nothing clips)
         at::Tensor q_x, s_x, bits_x;
-        std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax, eps);
+        if (!x_dynamic && x.numel() && intqat::train::quantize_bits_available()) {  // codes and bits in one pass
+            q_x = at::empty({M, K}, i8);
+            s_x = at::full({1, 1}, x_scale, f32);
+            bits_x = at::empty({(M * K + 7) / 8}, at::TensorOptions().dtype(at::kByte));
+            intqat::train::quantize_bits(ptr<float>(x), M * K, *ptr<float>(s_x), (float)z, (float)x_qmin,
+                                         (float)x_qmax, ptr<int8_t>(q_x), ptr<uint8_t>(bits_x));
+        } else {
+            std::tie(q_x, s_x, bits_x) = intqat::train::quantize_activation(x, x_dynamic, x_scale, z, x_qmin, x_qmax,
+                                                                            eps);
+        }
         // weights: symmetric per channel; a min-max scale (w_scale None) never clips
         at::Tensor w = fp32_contiguous(weight.detach());
         at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = intqat::train::no_bits();
@@ -182,6 +197,61 @@ at::Tensor int_linear(const at::Tensor &x, const at::Tensor &weight, const c10::
                                  x_dynamic, w_clip_mask, gemm, digits_x, digits_w, eps);
 }
 
+enum Observe : int64_t {
+    NOTHING = 0 /* eval-mode training: the kept scale */,
+    CHECK = 1 /* training, observer off: refuse NaN / inf (the general path raises) */,
+    UPDATE = 2 /* training, observing: observe_update, then the updated scale */
+};
+
+/* An integer layer's eager training call in one op: its static activation observer (observe.h: what
+ * ActivationQuantizer.integer_input runs, min-max or moving average) and then int_linear's C++ step on the
+ * scale and zero point it leaves (intqat/nn/eager_step.py's fused_linear decides when; w_scale None, min-max
+ * per-channel weights). x (..., K) fp32 -> y (..., N), the leading dims kept.
+ *
+ * Why: at BERT-tiny sizes the two calls and the Python between them (reading the scale and zero point back,
+ * the step's decision) cost about what the layer's forward GEMM does.
+ *
+ * The same bits as the two calls: x's rows made contiguous once (int_linear's reshape(-1, K).contiguous(),
+ * which observe_minmax_'s contiguous() copy equals element for element), min / max of those, the same
+ * update, then s_x = float(scale) and z = round(clamp(float(zero_point), qmin, qmax)) as int_linear's
+ * rounded_zero_point_int. Returns an empty (0,) tensor, having changed nothing, where the general path must
+ * run: a batch holding NaN / inf (it raises), a kept range or scale / zero point that is not finite, buffers
+ * that are not one float32 element each. */
+at::Tensor observed_int_linear(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                               at::Tensor &min_val, at::Tensor &max_val, at::Tensor &scale, at::Tensor &zero_point,
+                               at::Tensor &initialized, int64_t observe, bool first, bool moving_average,
+                               double averaging_constant, bool symmetric, int64_t x_qmin, int64_t x_qmax,
+                               int64_t w_qmin, int64_t w_qmax, int64_t gemm, bool digits_x, bool digits_w,
+                               double eps) {
+    using intqat::train::one_float;
+    TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0,
+                "intqat_train::observed_int_linear: x must be a non-empty float32 CPU tensor, got ", x.sizes());
+    const auto none = [] { return at::empty({0}, at::TensorOptions().dtype(at::kFloat)); };
+    if (!(one_float(min_val) && one_float(max_val) && one_float(scale) && one_float(zero_point))) return none();
+    const int64_t K = x.size(-1);
+    // (M, K), through autograd (x's gradient flows back), as int_linear's Python caller makes it
+    at::Tensor x2d = (x.dim() == 2 ? x : x.reshape({-1, K})).contiguous();
+    if (observe != NOTHING) {
+        float mm[2];
+        intqat_minmax(x2d.data_ptr<float>(), x2d.numel(), mm);
+        if (!std::isfinite(mm[0]) || !std::isfinite(mm[1])) return none();  // (the general path refuses the batch)
+        if (observe == UPDATE &&
+            intqat::train::observe_update(mm[0], mm[1], min_val, max_val, scale, zero_point, initialized, first,
+                                          moving_average, averaging_constant, x_qmin, x_qmax, symmetric, eps) != 1)
+            return none();
+    }
+    const float s_x = *scale.data_ptr<float>(), z_f = *zero_point.data_ptr<float>();
+    if (s_x != s_x || z_f != z_f) return none();  // NaN: the Python path says what torch says
+    const int64_t z = (int64_t)std::nearbyint(std::min(std::max((double)z_f, (double)x_qmin), (double)x_qmax));
+    at::Tensor y = intqat::IntLinearTrain::apply(x2d, weight, bias, c10::nullopt, (double)s_x, z, x_qmin, x_qmax,
+                                                 w_qmin, w_qmax, /*x_dynamic=*/false, /*w_clip_mask=*/false, gemm,
+                                                 digits_x, digits_w, eps);
+    if (x.dim() == 2) return y;
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = weight.size(0);
+    return y.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(intqat_train, m) {
@@ -189,4 +259,9 @@ TORCH_LIBRARY(intqat_train, m) {
           "int x_qmin, int x_qmax, int w_qmin, int w_qmax, bool x_dynamic, bool w_clip_mask, int gemm, "
           "bool digits_x, bool digits_w, float eps) -> Tensor",
           int_linear);
+    m.def("observed_int_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) min_val, Tensor(b!) max_val, "
+          "Tensor(c!) scale, Tensor(d!) zero_point, Tensor(e!) initialized, int observe, bool first, "
+          "bool moving_average, float averaging_constant, bool symmetric, int x_qmin, int x_qmax, int w_qmin, "
+          "int w_qmax, int gemm, bool digits_x, bool digits_w, float eps) -> Tensor",
+          observed_int_linear);
 }

@@ -16,8 +16,8 @@ from intqat.ops.backends.cpu_fused import CpuFused, digit_gemm_slow
 from intqat.ops.cpu_features import cpu_has_int8_dot
 from intqat.ops.backends.reference import MAX_K_INT32
 
-__all__ = ["Amx", "amx_forward_pays", "AMX_FORWARD_MIN_MACS", "AMX_DIGITS_MIN_M", "AMX_DIGITS_MIN_MACS",
-           "AMX_GROUPED_MIN_M"]
+__all__ = ["Amx", "amx_forward_pays", "AMX_FORWARD_MIN_MACS", "AMX_FORWARD_SMALL_MIN", "AMX_DIGITS_MIN_M",
+           "AMX_DIGITS_MIN_MACS", "AMX_GROUPED_MIN_M"]
 
 # The fused AMX forward against torch._int_mm + the epilogue, both on the AMX units. Measured on a 2-core AMX Xeon
 # (4th gen), 2026-11-23: 0.66x-0.80x from M*N*K = 2^24 while M <= N (256x1024x1024: 0.19 vs 0.23 ms;
@@ -25,6 +25,12 @@ __all__ = ["Amx", "amx_forward_pays", "AMX_FORWARD_MIN_MACS", "AMX_DIGITS_MIN_M"
 # of the packed weight in its L2 and reads all of q_x) or the layer is small (N = 10: 1.15x). Both sides run on
 # the same units, so the ratio is a property of the kernels, not of one machine's clock.
 AMX_FORWARD_MIN_MACS = 2**24
+# Small layers (M*N*K <= 2^24: a BERT-tiny block's, whose operands sit in L2), measured 2026-11-28 on the same class
+# (Xeon, AMX-INT8, 2 cores; the C++ step's whole forward, interleaved): the fused kernel skips the int32
+# accumulator's write and read and oneDNN's per-call setup, 0.64x-0.91x of _int_mm + epilogue at 1 and 2 threads
+# for 256x128x{128,384,512} and 256x512x128 (M > N included). Taken from M, N >= 128 (four 32-row / column
+# blocks): a few tokens or a narrow head (8x128x10: 1.05x) keep _int_mm.
+AMX_FORWARD_SMALL_MIN = 128
 # The AMX digit GEMM (both backward GEMMs) against the fp32 GEMM, same Xeon: from M >= 128 and M*N*K >= 2^26
 # (M = 256, K = N = 1024: grad_w 0.51x, grad_x 0.42x); a batch of 32 was 1.2x-2.3x slower (its output write dominates).
 AMX_DIGITS_MIN_M = 128
@@ -36,8 +42,11 @@ AMX_GROUPED_MIN_M = 16
 
 
 def amx_forward_pays(M: int, K: int, N: int) -> bool:
-    """Is the fused AMX forward faster than torch._int_mm + the epilogue (AMX_FORWARD_MIN_MACS, M <= N)?"""
-    return M <= N and M * N * K >= AMX_FORWARD_MIN_MACS
+    """Is the fused AMX forward faster than torch._int_mm + the epilogue? Large layers: AMX_FORWARD_MIN_MACS, M <= N;
+    small ones: M * N * K <= AMX_FORWARD_MIN_MACS with M, N >= AMX_FORWARD_SMALL_MIN."""
+    macs = M * N * K
+    return (M <= N and macs >= AMX_FORWARD_MIN_MACS) or (
+        macs <= AMX_FORWARD_MIN_MACS and M >= AMX_FORWARD_SMALL_MIN and N >= AMX_FORWARD_SMALL_MIN)
 
 
 class Amx(CpuFused):
