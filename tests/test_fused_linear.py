@@ -175,15 +175,20 @@ def test_a_batch_with_nan_or_inf_is_refused_and_changes_nothing(observer_on, fus
     assert fused_count["ran"] == 1
 
 
-def test_a_kept_range_that_is_not_finite_takes_the_general_path(fused_count):
-    """A loaded state holding inf: the op changes nothing and hands the call back; the result is the previous
-    path's (the tensor observer), NaN where it is NaN."""
-    _runs_here()
+def _observed_layer_and_copy() -> tuple[IntLinear, IntLinear]:
+    """A 16 -> 24 w8a8 IntLinear in training mode after one observed batch (seed 0), and a deep copy of it."""
     torch.manual_seed(0)
     fq = FakeQuantLinear.from_linear(nn.Linear(16, 24), "w8a8")
     fq.train()(torch.randn(40, 16))
     layer = IntLinear.from_fake_quant(fq).train()
-    ref = copy.deepcopy(layer)
+    return layer, copy.deepcopy(layer)
+
+
+def test_a_kept_range_that_is_not_finite_takes_the_general_path(fused_count):
+    """A loaded state holding inf: the op changes nothing and hands the call back; the result is the previous
+    path's (the tensor observer), NaN where it is NaN."""
+    _runs_here()
+    layer, ref = _observed_layer_and_copy()
     x = torch.randn(40, 16)
     for m in (layer, ref):
         m.input_quantizer.max_val.fill_(float("inf"))
@@ -201,11 +206,7 @@ def test_input_layouts(shape, fused_count):
     """2-D, 3-D and a transposed (non-contiguous) input: the op makes the rows contiguous once, for the observer and
     the step; y keeps the leading dims; x's gradient flows back through that copy."""
     _runs_here()
-    torch.manual_seed(0)
-    fq = FakeQuantLinear.from_linear(nn.Linear(16, 24), "w8a8")
-    fq.train()(torch.randn(40, 16))
-    layer = IntLinear.from_fake_quant(fq).train()
-    ref = copy.deepcopy(layer)
+    layer, ref = _observed_layer_and_copy()
     x = torch.randn(8, 5, 16).transpose(0, 1) if shape == "transposed" else torch.randn(*shape)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     if shape == "transposed":
