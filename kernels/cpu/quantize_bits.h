@@ -12,7 +12,9 @@
 #ifndef INTQAT_QUANTIZE_BITS_H
 #define INTQAT_QUANTIZE_BITS_H
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>  // (x86 only: elsewhere quantize_bits_available() is false and fused.c's passes run)
+#endif
 
 #include <cstdint>
 #include <cstring>
