@@ -162,8 +162,8 @@ def test_encoder_files_exact_and_equal_to_the_unrewritten_files(encoder, form, m
     monkeypatch.setattr(deploy_onnx, "batch_first_out_projection", lambda model: 0)
     plain = export_onnx(model, batches[0][0][:2], None, form=form, validation_data=batches)
     ran, ran_plain = result.info["onnxruntime_graph"]["ops"], plain.info["onnxruntime_graph"]["ops"]
-    assert "Squeeze" not in ran and "Unsqueeze" not in ran and ran.get("Transpose") == 2, ran
-    assert sum(ran.values()) <= sum(ran_plain.values()) - 13, (ran, ran_plain)
+    assert "Squeeze" not in ran and "Unsqueeze" not in ran and ran.get("Transpose") == 2 and ran.get("Split") == 1, ran
+    assert sum(ran.values()) == sum(ran_plain.values()) - 16, (ran, ran_plain)  # (onnxruntime 1.32: 44 -> 28 Q/DQ)
     a, b = session(result.data), session(plain.data)
     for batch in (1, 5):
         x = torch.randn(batch, 8, 32, generator=torch.Generator().manual_seed(batch))

@@ -1,5 +1,6 @@
 """Rewrites of an exported ONNX graph (an onnx_ir model, in place) that keep every value and spare onnxruntime a
-kernel that is slower than the ops it fuses. Applied to every ONNX file intqat writes (Q/DQ, integer, and the fp32
+kernel that is slower than the ops it fuses, or small nodes it runs one by one (each costs it ~1-2 us at batch 1
+whatever its size). Applied to every ONNX file intqat writes (Q/DQ, integer, and the fp32
 baseline the bench compares against), so a ratio between them measures the quantized layers, not this.
 
 residual_adds_as_sum: onnxruntime's level-2 optimizer (ORT_ENABLE_ALL, the default) fuses `Add -> LayerNormalization`
@@ -20,12 +21,14 @@ else (a mask, is_causal, dropout, grouped-query heads, another rank) goes to tor
 split_packed_heads: torch's MultiheadAttention (F._in_projection_packed, then the heads) turns the packed q / k / v
 projection P (T, B, 3E) into the three (B, H, T, d) tensors with 17 small nodes: Reshape (T, B, 3, E), Unsqueeze,
 Transpose, Squeeze, three Gather (onnxruntime: Split + three Squeeze), and per part Reshape (T, B*H, d), Transpose,
-Reshape (B, H, T, d). The same tensors are Split(P, [E, E, E], last axis), then per part Reshape (T, B, H, d) and
-Transpose(perm=[1, 2, 0, 3]): 7 nodes, pure data movement (values unchanged element for element), and onnxruntime
-folds the three transposes into the attention's FusedMatMul (transBatch), leaving 4. Measured at batch 1 (encoder
-d 128, 2 heads, seq 32, onnxruntime 1.32.0, one thread, AMX Xeon, 2026-11-28): onnxruntime runs 31 nodes of the
-Q/DQ file instead of 44 and 25 of the fp32 file instead of 38; both files ~10-25 us faster per call (docs/deploy.md,
-"Attention's heads"). The packed k / v projection of cross-attention (2 parts) is the same pattern.
+Reshape (B, H, T, d). The same tensors are Reshape(P, (T, B, 3H, d)), Split into three along axis 2, and per part
+Transpose(perm=[1, 2, 0, 3]): 5 nodes, pure data movement (values unchanged element for element), and onnxruntime
+folds the three transposes into the attention's FusedMatMul (its transBatch), leaving 2. The packed k / v
+projection of cross-attention (2 parts) is the same pattern. Measured with the output rewrite below on the encoder
+(d 128, 2 heads, seq 32; onnxruntime 1.32.0, one thread, AMX Xeon, 2026-11-28): onnxruntime runs 28 nodes of the
+Q/DQ file instead of 44 and 22 of the fp32 file instead of 38 (docs/deploy.md, "Attention's heads"). Measured and
+not taken: a Split of P along E then a Reshape per part (one node more); Gather per part (onnxruntime makes it a
+Split + Squeeze each).
 
 batch_first_out_projection: a batch_first MultiheadAttention ends with the heads (B, H, T, d) -> Transpose(perm=[2, 0,
 1, 3]) -> Reshape (T*B, E) -> the out-projection (its Q / DQ, Gemm, bias, or the integer form's ops) -> Reshape
@@ -36,7 +39,7 @@ are the same element for element; only ops that act row by row (elementwise with
 Q / DQ per tensor, Gemm / MatMul / MatMulInteger on a constant weight) may sit between the two reshapes.
 Not taken, measured: the same for the input's transpose (B, T, E) -> (T, B, E) before the in-projection: the
 heads then come out as (B, T, H, d) -> (B, H, T, d), a transpose onnxruntime's FusedMatMul cannot absorb (its
-transBatch is the (T, B, H, d) -> (B, H, T, d) one): 33 nodes run instead of 31.
+transBatch is the (T, B, H, d) -> (B, H, T, d) one): onnxruntime ran one node more, not fewer.
 """
 
 from __future__ import annotations
@@ -195,23 +198,23 @@ def split_packed_heads(model) -> int:
             continue
         ends, heads, d = found
         c1 = _ints(view.inputs[1])
-        parts, e, name = c1[2], c1[3], view.name or f"heads_{done}"
-        # P (T, B, parts*E) -> parts x (T, B, E) -> (T, B, H, d) -> (B, H, T, d)
-        split = ir.node("Split", [view.inputs[0], _int64(graph, f"{name}_split_sizes", [e] * parts)], {"axis": -1},
-                        num_outputs=parts, name=f"{name}_split")
-        shape = _int64(graph, f"{name}_heads_shape", [c1[0], c1[1], heads, d])
-        new = [split]
+        parts, name = c1[2], view.name or f"heads_{done}"
+        # P (T, B, parts*E) -> (T, B, parts*H, d) -> parts x (T, B, H, d) -> (B, H, T, d)
+        reshape = ir.node("Reshape", [view.inputs[0], _int64(graph, f"{name}_heads_shape", [c1[0], c1[1], parts * heads,
+                                                                                            d])], name=f"{name}_heads")
+        split = ir.node("Split", [reshape.outputs[0], _int64(graph, f"{name}_split_sizes", [heads] * parts)],
+                        {"axis": 2}, num_outputs=parts, name=f"{name}_split")
+        new = [reshape, split]
         for i, end in enumerate(ends):
-            reshape = ir.node("Reshape", [split.outputs[i], shape], name=f"{name}_heads_{i}")
-            transpose = ir.node("Transpose", [reshape.outputs[0]], {"perm": [1, 2, 0, 3]}, name=f"{name}_heads_t{i}")
+            transpose = ir.node("Transpose", [split.outputs[i]], {"perm": [1, 2, 0, 3]}, name=f"{name}_heads_t{i}")
             out = end.outputs[0]
             transpose.outputs[0].shape, transpose.outputs[0].type = out.shape, out.type
-            new += [reshape, transpose]
+            new.append(transpose)
         for node in new:  # (the census reads a node's layer from its name scopes)
             node.metadata_props.update(view.metadata_props)
         graph.insert_before(view, new)
         for i, end in enumerate(ends):
-            old, value = end.outputs[0], new[2 + 2 * i].outputs[0]
+            old, value = end.outputs[0], new[2 + i].outputs[0]
             value.name = f"{old.name}_heads"
             if old.is_graph_output():  # (its name back once the old node is gone)
                 outputs.append((value, old.name))
