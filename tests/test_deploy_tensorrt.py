@@ -122,6 +122,24 @@ def test_w8a8_sym_qdq_equals_the_integer_model_in_onnxruntime(mlp_files):
     assert torch.equal(got, want)
 
 
+def test_w8a8_sym_exports_exactly_and_reaches_xnnpack(sym_net):
+    """The rest of the road: export_mixed_precision's reference program is the integer model bit for bit, and the
+    .pte's integer layers all lowered to XNNPACK (its static symmetric per-tensor form), close to the integer model."""
+    pytest.importorskip("executorch", reason="the .pte tests need ExecuTorch (pip install 'intqat[deploy]')")
+    from intqat.deploy.executorch import export_pte
+    from intqat.export import export_mixed_precision
+
+    model, _ = sym_net
+    x = _images(32)
+    exported = export_mixed_precision(model, (x[0][:2],), calibration_data=[x])
+    assert exported.validation["reference_equals_integer_model"] is True
+    pte = export_pte(model, _images(2), calibration_data=[_images()], validation_data=[_images(32)],
+                     fp32_baseline=False)
+    where = {c.name: c.where for c in pte.census}
+    assert set(where) == {"conv", "dw", "fc", "head"} and all(w.startswith("XNNPACK") for w in where.values()), where
+    assert pte.validation["top1_agreement"] >= 0.95 and pte.validation["max_diff_in_steps"] <= 6.0, pte.validation
+
+
 def test_w8a8_file_is_not_ready_for_its_zero_points(mlp_files):
     _, result = mlp_files["w8a8"]
     readiness = result.tensorrt()
@@ -161,9 +179,10 @@ def _model(nodes, inits, opset=21, inputs=("x", [2, 4]), extra_opsets=()):
 
 def _linear(zero=0, scale=0.1, w_axis=0, clip_between=False, x_scale_shape=()):
     """x -> Q -> DQ -> Gemm(transB=1) with a per-channel int8 weight (3, 4)."""
+    channels = 3 if w_axis == 0 else 4
     inits = {"s": np.full(x_scale_shape, scale, np.float32), "z": np.full(x_scale_shape, zero, np.int8),
-             "w": np.arange(-6, 6, dtype=np.int8).reshape(3, 4), "sw": np.full(3 if w_axis == 0 else 4, 0.5, np.float32),
-             "zw": np.zeros(3 if w_axis == 0 else 4, np.int8), "lo": np.array(-127, np.int8), "hi": np.array(127, np.int8)}
+             "w": np.arange(-6, 6, dtype=np.int8).reshape(3, 4), "sw": np.full(channels, 0.5, np.float32),
+             "zw": np.zeros(channels, np.int8), "lo": np.array(-127, np.int8), "hi": np.array(127, np.int8)}
     nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="x_q")]
     if clip_between:
         nodes.append(helper.make_node("Clip", ["xq", "lo", "hi"], ["xc"], name="x_clip"))

@@ -110,7 +110,8 @@ def _load(model):
         if not path.is_file():
             raise FileNotFoundError(f"check_tensorrt: no ONNX file at {path}")
         return onnx.load(str(path))
-    raise TypeError(f"check_tensorrt takes an ONNX file's path, its bytes or an onnx.ModelProto, not {type(model).__name__}")
+    raise TypeError("check_tensorrt takes an ONNX file's path, its bytes or an onnx.ModelProto, not "
+                    f"{type(model).__name__}")
 
 
 class _Graph:
@@ -213,8 +214,9 @@ def _check_qdq(node, g: _Graph, reasons: list[str]) -> None:
             reasons.append(f"{label} zero point {shown} != 0: "
                            + (_HINT_SYM if not weight else "TensorRT takes symmetric weights (zero point 0)"))
     if qtype is not None and qtype not in (_INT8, _INT4):
-        reasons.append(f"{label} {'quantizes to' if q else 'reads'} {_QUANTIZED.get(qtype, f'type {qtype}')}: TensorRT's "
-                       "integer explicit quantization is INT8 (and INT4 weights)")
+        kind = _QUANTIZED.get(qtype, f"type {qtype}")
+        reasons.append(f"{label} {'quantizes to' if q else 'reads'} {kind}: TensorRT's integer explicit quantization "
+                       "is INT8 (and INT4 weights)")
     elif qtype == _INT4 and not weight:
         reasons.append(f"{label} INT4 activations: TensorRT quantizes INT4 weights only (weight-only)")
     s = g.array(scale_name)
@@ -237,9 +239,9 @@ def _check_qdq(node, g: _Graph, reasons: list[str]) -> None:
     if block:
         if qtype != _INT4:
             gather = any(n.op_type == "Gather" for n, _ in g.consumers.get(node.output[0], []))
+            hint = "; a quantized embedding: keep it float for TensorRT (QuantConfig(embedding=None))" if gather else ""
             reasons.append(f"{label} block-quantized {_QUANTIZED.get(qtype, qtype)} weights (block_size {block}): "
-                           "TensorRT 10 blocks INT4 weights only" + ("; a quantized embedding: keep it float for "
-                                                                     "TensorRT (QuantConfig(embedding=None))" if gather else ""))
+                           f"TensorRT 10 blocks INT4 weights only{hint}")
         elif axis not in (rank - 1, rank - 2):
             reasons.append(f"{label} blocks axis {axis} of a rank-{rank} weight: TensorRT blocks the last or the "
                            "second to last dimension")
@@ -282,7 +284,8 @@ def check_tensorrt(model: Any) -> TensorRTReadiness:
                                    "plugin for it (export without onnxruntime's contrib ops)")
                 continue
             if node.op_type not in SUPPORTED:
-                why = _WHY_NOT.get(node.op_type, f"not in TensorRT {TENSORRT_RULES_VERSION}'s ONNX operator support matrix")
+                why = _WHY_NOT.get(node.op_type,
+                                   f"not in TensorRT {TENSORRT_RULES_VERSION}'s ONNX operator support matrix")
                 reasons.append(f"{label} is not supported by TensorRT's ONNX parser: {why}")
                 continue
             if node.op_type in ("QuantizeLinear", "DequantizeLinear"):
@@ -296,7 +299,8 @@ def check_tensorrt(model: Any) -> TensorRTReadiness:
             read = [n for n in node.input if n in quantized]
             if read and node.op_type != "Constant":
                 reasons.append(f"{label} reads the quantized tensor '{read[0]}': TensorRT reads INT8 / INT4 tensors "
-                               f"with DequantizeLinear only (its {node.op_type} takes float types)")
+                               f"with DequantizeLinear only (its support matrix lists no quantized type for "
+                               f"{node.op_type})")
     return result
 
 
