@@ -140,7 +140,8 @@ class _Graph:
 
     def elem_type(self, name: str) -> int | None:
         """A value's element type where the graph states it: a constant's, a QuantizeLinear output's (its zero
-        point's type, else output_dtype, else UINT8: ONNX's default), a Cast's `to`; None otherwise."""
+        point's type, else output_dtype), a Cast's `to`; None otherwise (a QuantizeLinear without either is UINT8 by
+        ONNX's rule, but TensorRT's parser may read it as INT8: not judged)."""
         if name in self.const:
             return self.const[name].data_type
         node = self.producer.get(name)
@@ -149,8 +150,7 @@ class _Graph:
         if node.op_type == "QuantizeLinear":
             if len(node.input) > 2 and node.input[2] in self.const:
                 return self.const[node.input[2]].data_type
-            out_dtype = _attr(node, "output_dtype", 0)
-            return out_dtype or (None if len(node.input) > 2 and node.input[2] else 2)
+            return _attr(node, "output_dtype", 0) or None
         if node.op_type == "Cast":
             return _attr(node, "to", None)
         return None
@@ -210,7 +210,7 @@ def _check_qdq(node, g: _Graph, reasons: list[str]) -> None:
             reasons.append(f"{label} zero point is computed at run time: TensorRT's zero point is 0 "
                            f"(a constant); {_HINT_SYM}")
         elif z.any():
-            shown = int(z.reshape(-1)[next(i for i, v in enumerate(z.reshape(-1)) if v)])
+            shown = int(z[z != 0].reshape(-1)[0])  # (the first non-zero one)
             reasons.append(f"{label} zero point {shown} != 0: "
                            + (_HINT_SYM if not weight else "TensorRT takes symmetric weights (zero point 0)"))
     if qtype is not None and qtype not in (_INT8, _INT4):
@@ -274,8 +274,8 @@ def check_tensorrt(model: Any) -> TensorRTReadiness:
     reasons = result.reasons
     for graph in [proto.graph] + [_as_graph(f) for f in proto.functions]:
         g = _Graph(graph)
-        quantized = {n for n in g.producer if g.elem_type(n) in _QUANTIZED} | \
-                    {n for n, t in g.const.items() if t.data_type in _QUANTIZED}
+        quantized = {n for n, p in g.producer.items() if p.op_type == "QuantizeLinear" or g.elem_type(n) in _QUANTIZED}
+        quantized |= {n for n, t in g.const.items() if t.data_type in _QUANTIZED}
         for node in graph.node:
             label = _label(node)
             if node.domain not in ("", "ai.onnx"):
