@@ -9,7 +9,9 @@ Forward, x (B, C, H, W), W (O, C/g, kh, kw):
                                                            the codes in fp32, exact (see _grouped_acc)
     y    = float32(acc) * (s_x * s_w[o]) + b[o]
 Backward (STE), then the clip masks, and LSQ gradients for learned scales, as in int_linear:
-    fp32:   aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w)
+    fp32:   aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w); a depthwise conv
+            (groups == C == O): the table's `depthwise_grad` (on the CPU kernels/cpu/depthwise_backward.c, ~6x aten's
+            at ConvNeXt's 7x7; the same sums in a fixed order of its own)
     digits (groups == 1, grad_gemm "int8x3", where `digits_pay` says so for the im2col GEMM (M, K', O),
     M = B*Ho*Wo, K' = C*kh*kw): int_linear's two backward GEMMs on the im2col form (`_digit_grads`),
         g_mat      = g as (M, O), rows NHWC pixels
@@ -379,7 +381,13 @@ def _backward(ctx, g, *_unused):
             grad_b = g.sum(dim=(0, 2, 3))
             want_b = False
     fp32_x, fp32_w = want_x and grad_xhat is None, want_w and grad_what is None
-    if fp32_x or fp32_w or want_b:
+    if (fp32_x or fp32_w or want_b) and C == 1 and O == groups:  # depthwise: the table's depthwise_grad
+        gx, gw, gb = backends.select("depthwise_grad", g, q_x, q_w).depthwise_grad(
+            g, q_x, z_x, s_x, q_w, ws.reshape(-1), stride, padding, dilation, fp32_x, fp32_w, want_b)
+        grad_xhat = gx if fp32_x else grad_xhat
+        grad_what = gw if fp32_w else grad_what
+        grad_b = gb if want_b else grad_b
+    elif fp32_x or fp32_w or want_b:
         x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
         w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
         gx, gw, gb = torch.ops.aten.convolution_backward(
@@ -513,7 +521,8 @@ def conv_call(x, weight, bias, x_scale, x_zero_point, w_scale, *, stride, paddin
             s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
-                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm)
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm,
+                    groups > 1 and Cg == 1 and O == groups)
     b = backends.select("conv_step", *tensors, spec=spec, eager=eager, record=record)
     return b, (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x,
                z)
@@ -542,6 +551,7 @@ class ConvStep(NamedTuple):
     gemm_shape: tuple | None = None
     geometry: tuple | None = None
     grad_gemm: str = "int8x3"
+    depthwise: bool = False  # groups == C == O: the backward is the table's depthwise_grad
 
 
 def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,
