@@ -22,7 +22,8 @@
  * Backward (straight-through), then the clip masks; digits_x / digits_w: that GEMM on the int8 units (groups == 1
  * only; int_conv2d._digit_grads, the same calls), on AMX tiles (digits_amx) or through torch._int_mm:
  *     fp32:   convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o]; a depthwise conv (groups == C ==
- *             O): depthwise_backward.c's channel blocks (int_conv2d._backward's depthwise_grad on cpu_fused)
+ *             O): depthwise_backward.c's channel blocks (int_conv2d._backward's depthwise_grad on cpu_fused); a
+ *             pointwise conv on NCHW tensors (int_conv2d.pointwise_nchw): two batched GEMMs (_pointwise_grads)
  *     digits: g_mat (M, O) = g as NHWC rows; grad_w = (g_mat s_x)ᵀ @ (im2col(q_x) - z)   (O, kh*kw*C)
  *             grad_x = fold((g_mat s_w[o]) @ q_w_cols)   (M, kh*kw*C) -> each pixel's window sum, (i, j) order
  *             grad_b = sum of g over (B, Ho, Wo) (when either GEMM is digits)
@@ -608,6 +609,28 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                 if (fw) gw.zero_();
                 if (want_b) gb.zero_();
             }
+        } else if ((fx || fw || want_b) && q_w.size(2) == 1 && q_w.size(3) == 1 && groups == 1 && padding[0] == 0 &&
+                   padding[1] == 0 && g.is_contiguous() && q_x.is_contiguous()) {
+            // pointwise (int_conv2d.pointwise_nchw): two batched GEMMs, int_conv2d._pointwise_grads' calls
+            const int64_t B = g.size(0), O = g.size(1), Ho = g.size(2), Wo = g.size(3), C = q_w.size(1);
+            const bool strided = stride[0] != 1 || stride[1] != 1;
+            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1, "w_hat");
+            const at::Tensor g3 = g.reshape({B, O, Ho * Wo});
+            if (fx) {
+                gx = at::matmul(w_hat.reshape({O, C}).t(), g3).view({B, C, Ho, Wo});
+                if (strided) {
+                    at::Tensor full = at::zeros(q_x.sizes(), at::TensorOptions().dtype(at::kFloat));
+                    full.slice(2, 0, q_x.size(2), stride[0]).slice(3, 0, q_x.size(3), stride[1]).copy_(gx);
+                    gx = full;
+                }
+            }
+            if (fw) {
+                const at::Tensor x_hat = dequantized(q_x, s_x, (float)z, false, "x_hat");
+                const at::Tensor x_sub =
+                    strided ? x_hat.slice(2, 0, q_x.size(2), stride[0]).slice(3, 0, q_x.size(3), stride[1]) : x_hat;
+                gw = at::bmm(g3, x_sub.reshape({B, C, Ho * Wo}).transpose(1, 2)).sum(0).view({O, C, 1, 1});
+            }
+            if (want_b) gb = g.sum({0, 2, 3});
         } else if (fx || fw || want_b) {
             // grad_input reads x_hat's sizes and layout only (mkldnn_convolution_backward_input(input.sizes(), ...)):
             // its values are needed for grad_w alone
