@@ -110,6 +110,8 @@ _SIGNATURES = {
     "intqat_dw_backward": [_P, _P, _P, _P, ctypes.c_int32, _F, _P, _P, _P, _P, _P, _P, _P],
 }
 
+_RETURNS = {"intqat_dw_backward": ctypes.c_int}  # (every other function returns nothing)
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _load_tried = False
@@ -146,7 +148,7 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(_sources())))
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
             _lib = lib
         except (OSError, RuntimeError, FileNotFoundError) as e:
             warnings.warn(
@@ -638,6 +640,8 @@ def depthwise_backward(g: Tensor, q_x: Tensor, z: int, s_x: float, q_w: Tensor, 
                 None if gb is None else gb.zero_())
     gs, xs = _strides(g), _strides(q_x)  # (named: a temporary's memory would be freed before the call)
     gxs = None if gx is None else _strides(gx)
-    _lib.intqat_dw_backward(g.data_ptr(), gs.data_ptr(), q_x.data_ptr(), xs.data_ptr(), int(z), float(s_x),
-                            q_w.data_ptr(), s_w.data_ptr(), geom.data_ptr(), _ptr(gx), _ptr(gxs), _ptr(gw), _ptr(gb))
+    if _lib.intqat_dw_backward(g.data_ptr(), gs.data_ptr(), q_x.data_ptr(), xs.data_ptr(), int(z), float(s_x),
+                               q_w.data_ptr(), s_w.data_ptr(), geom.data_ptr(), _ptr(gx), _ptr(gxs), _ptr(gw), _ptr(gb)):
+        raise MemoryError(f"intqat: the depthwise backward could not allocate its per-thread buffers (input {tuple(q_x.shape)}, "
+                          f"kernel {tuple(q_w.shape[2:])})")
     return gx, gw, gb

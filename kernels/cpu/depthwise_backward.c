@@ -143,12 +143,14 @@ static v16 tap_sum(const float *gp, const float *xp, const geometry *g, int64_t 
     return (p0 + p1) + (p2 + p3);
 }
 
-void intqat_dw_backward(const float *g_in, const int64_t *gs, const int8_t *q_x, const int64_t *xs, int32_t z,
+/* Returns 0, or 1 when a thread could not allocate its buffers (then no gradient was written: the caller raises). */
+int intqat_dw_backward(const float *g_in, const int64_t *gs, const int8_t *q_x, const int64_t *xs, int32_t z,
                         float s_x, const int8_t *q_w, const float *s_w, const int64_t *geom, float *gx,
                         const int64_t *gxs, float *gw, float *gb) {
     const geometry g = unpack(geom);
     const int64_t blocks = (g.C + L - 1) / L;
     const size_t plane = (size_t)(g.HP * g.WP * L);
+    int failed = 0;
 #pragma omp parallel
     {
         float *xp = gw ? (float *)calloc(plane, sizeof(float)) : NULL;  // (q_x - z), zero border
@@ -157,8 +159,13 @@ void intqat_dw_backward(const float *g_in, const int64_t *gs, const int8_t *q_x,
         float *wacc = gw ? (float *)malloc((size_t)(g.TAPS * L) * sizeof(float)) : NULL;  // (taps, L)
         float *what = (float *)malloc((size_t)(g.TAPS * L) * sizeof(float));  // w_hat (taps, L)
         uint8_t *tmp = gw ? (uint8_t *)malloc((size_t)(g.H * g.W * L)) : NULL;  // a block's codes, (H*W, L)
+        if (!gp || !what || (gw && (!xp || !wacc || !tmp)) || (gx && !gxp)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t cb = 0; cb < blocks; cb++) {
+        for (int64_t cb = 0; cb < (failed ? 0 : blocks); cb++) {
             const int64_t c0 = cb * L, n = g.C - c0 < L ? g.C - c0 : L;
             for (int64_t t = 0; t < g.TAPS; t++)
                 for (int64_t l = 0; l < L; l++)  // dequantize's (float(q) - 0) * s
@@ -212,4 +219,5 @@ void intqat_dw_backward(const float *g_in, const int64_t *gs, const int8_t *q_x,
         free(what);
         free(tmp);
     }
+    return failed;
 }

@@ -77,9 +77,9 @@ void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
 // depthwise_backward.c: a depthwise conv's STE backward by channel blocks (strides in elements, (b, c, h, w))
-void intqat_dw_backward(const float *g, const int64_t *gs, const int8_t *q_x, const int64_t *xs, int32_t z, float s_x,
-                        const int8_t *q_w, const float *s_w, const int64_t *geom, float *gx, const int64_t *gxs,
-                        float *gw, float *gb);
+int intqat_dw_backward(const float *g, const int64_t *gs, const int8_t *q_x, const int64_t *xs, int32_t z, float s_x,
+                       const int8_t *q_w, const float *s_w, const int64_t *geom, float *gx, const int64_t *gxs, float *gw,
+                       float *gb);  // 0, or 1: its buffers could not be allocated
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
 // aborting stub without AVX2, which the Python side never asks for)
 void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b, int64_t N,
@@ -600,10 +600,12 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                               xs[4] = {q_x.stride(0), q_x.stride(1), q_x.stride(2), q_x.stride(3)};
                 int64_t gxs[4] = {0, 0, 0, 0};
                 if (fx) for (int d = 0; d < 4; d++) gxs[d] = gx.stride(d);
-                intqat_dw_backward(g.data_ptr<float>(), gs, q_x.data_ptr<int8_t>(), xs, z, s_x.data_ptr<float>()[0],
-                                   q_wc.data_ptr<int8_t>(), s_w.data_ptr<float>(), geom,
-                                   fx ? gx.data_ptr<float>() : nullptr, gxs, fw ? gw.data_ptr<float>() : nullptr,
-                                   want_b ? gb.data_ptr<float>() : nullptr);
+                const int failed = intqat_dw_backward(
+                    g.data_ptr<float>(), gs, q_x.data_ptr<int8_t>(), xs, z, s_x.data_ptr<float>()[0],
+                    q_wc.data_ptr<int8_t>(), s_w.data_ptr<float>(), geom, fx ? gx.data_ptr<float>() : nullptr, gxs,
+                    fw ? gw.data_ptr<float>() : nullptr, want_b ? gb.data_ptr<float>() : nullptr);
+                TORCH_CHECK(!failed, "intqat_train::int_conv2d: the depthwise backward could not allocate its "
+                            "per-thread buffers (input ", q_x.sizes(), ")");
             } else {  // nothing to sum (depthwise_backward's zeros)
                 if (fx) gx.zero_();
                 if (fw) gw.zero_();
