@@ -168,6 +168,10 @@ class QuantConfig:
 PRESETS: dict[str, QuantConfig] = {
     # per-channel symmetric int8 weights, per-tensor asymmetric static int8 activations
     "w8a8": QuantConfig(),
+    # w8a8 with symmetric static activations (zero point 0, codes in [-127, 127]): the scheme TensorRT's explicit
+    # quantization takes (QuantizeLinear's zero point must be 0), so its Q/DQ model.onnx is TensorRT-ready
+    # (intqat.deploy.tensorrt_check); a ReLU's output uses half the codes, where w8a8's zero point uses them all
+    "w8a8_sym": QuantConfig(activation=QuantSpec(bits=8, symmetric=True, granularity="tensor")),
     # same weights; activations quantized per token from each batch (no activation observer)
     "w8a8_dynamic": QuantConfig(
         activation=QuantSpec(bits=8, symmetric=True, granularity="token", dynamic=True)

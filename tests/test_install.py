@@ -48,7 +48,8 @@ def test_package_data_and_kernels_are_installed(installed, tmp_path):
     # the fused CPU kernels' C source ships in the package and builds from there
     fused = lines[3].split()
     assert fused[0] == "fused" and fused[-1] == "True", lines[3]
-    assert [p.rsplit("/", 1)[-1] for p in fused[1:-1]] == ["fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c"], lines[3]
+    assert [p.rsplit("/", 1)[-1] for p in fused[1:-1]] == ["fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c",
+                                                          "grouped_linear.c", "amx_grouped.c", "depthwise_backward.c"], lines[3]
     assert all(p.startswith(str(installed)) for p in fused[1:-1]), lines[3]
 
 

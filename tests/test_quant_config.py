@@ -16,7 +16,7 @@ import intqat
 from intqat import PRESETS, QuantConfig, QuantSpec, resolve_config
 from intqat.nn import FakeQuantConv2d, FakeQuantLinear, IntLinear
 
-PRESET_NAMES = ("w8a8", "w8a8_dynamic", "w4a8", "w8a8_lsq", "8da4w", "w8a8_g128")
+PRESET_NAMES = ("w8a8", "w8a8_sym", "w8a8_dynamic", "w4a8", "w8a8_lsq", "8da4w", "w8a8_g128")
 
 
 # ---------------------------------------------------------------------------------------------

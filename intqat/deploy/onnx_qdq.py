@@ -2,8 +2,9 @@
 exporter needs for ONNX's QuantizeLinear / DequantizeLinear, and int4 weights stored as ONNX INT4.
 
 What each op of the Q/DQ program becomes (opset 21):
-  quantized_decomposed.quantize_per_tensor     QuantizeLinear(x, s, z) (+ Clip when [qmin, qmax] is narrower than
-                                               int8's range: QuantizeLinear saturates to the type's range only)
+  quantized_decomposed.quantize_per_tensor     QuantizeLinear(x, s, z); when [qmin, qmax] is narrower than int8's
+                                               range (QuantizeLinear saturates to the type's range only), a Clip of x
+                                               to [(qmin - z) s, (qmax - z) s] in fp32 before it (the same codes)
   quantized_decomposed.dequantize_per_tensor   DequantizeLinear(q, s, z)            (onnxscript's own translation)
   quantized_decomposed.dequantize_per_channel  DequantizeLinear(q_w, s_w, 0, axis=0) (onnxscript's own translation)
   torchao.dequantize_affine                    DequantizeLinear with block_size (opset 21's blocked form) along the
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["qdq_translations", "store_int4_weights", "split_unrequantized_bias"]
@@ -66,12 +68,14 @@ def qdq_translations() -> dict:
 
     def quantize_per_tensor(input, scale: float, zero_point: int, quant_min: int, quant_max: int, dtype: int):
         # (the dtype is int8 here: to_qdq quantizes every activation to int8 codes)
-        q = op.QuantizeLinear(input, op.Constant(value_float=float(scale)),
-                              op.Cast(op.Constant(value_int=int(zero_point)), to=_INT8))
         if (quant_min, quant_max) != (-128, 127):
-            q = op.Clip(q, op.Cast(op.Constant(value_int=int(quant_min)), to=_INT8),
-                        op.Cast(op.Constant(value_int=int(quant_max)), to=_INT8))
-        return q
+            # a narrower range (w8a8_sym's [-127, 127]) clips x in float before the QuantizeLinear, at fp32((q - z) s):
+            # round(fp32((q - z) s) / s) + z = q exactly, so the codes are those of a Clip after it, and the Q's output
+            # feeds its DequantizeLinear alone (TensorRT's parser takes Clip on float types only, not int8)
+            lo, hi = (float(np.float32(q - zero_point) * np.float32(scale)) for q in (quant_min, quant_max))
+            input = op.Clip(input, op.Constant(value_float=lo), op.Constant(value_float=hi))
+        return op.QuantizeLinear(input, op.Constant(value_float=float(scale)),
+                                 op.Cast(op.Constant(value_int=int(zero_point)), to=_INT8))
 
     def dequantize_affine(input, block_size: Sequence[int], scale, zero_point, input_dtype: int,
                           quant_min: int | None = None, quant_max: int | None = None, output_dtype: int = 1):
@@ -182,17 +186,44 @@ def store_int4_weights(model) -> int:
 
 def _requantized(value) -> bool:
     """Whether value reaches a QuantizeLinear alone, through Relu / Clip at most (onnxruntime's selectors fold those
-    into the Q): then onnxruntime fuses the Gemm with its bias into QGemm itself."""
+    into the Q; a Clip only when it does not narrow the Q's range, so not the one a narrower [qmin, qmax] writes):
+    then onnxruntime fuses the Gemm with its bias into QGemm itself."""
+    clips = []
     while True:
         uses = list(value.uses())
         if len(uses) != 1 or value.is_graph_output():
             return False
         node = uses[0][0]
         if node.op_type == "QuantizeLinear":
-            return True
+            return all(_covers(clip, node) for clip in clips)
         if node.op_type not in ("Relu", "Clip"):
             return False
+        if node.op_type == "Clip":
+            clips.append(node)
         value = node.outputs[0]
+
+
+def _const(value):
+    """A constant input's numpy value (an initializer or a Constant node's), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].as_tensor().numpy()
+    return None
+
+
+def _covers(clip, q) -> bool:
+    """Whether Clip's [min, max] holds the int8 QuantizeLinear's whole range [(-128 - z) s, (127 - z) s] (what
+    onnxruntime's Clip + Q fusion asks before it drops the Clip). Unreadable bounds: taken as folded (as before)."""
+    lo, hi = (_const(clip.inputs[i]) if len(clip.inputs) > i else None for i in (1, 2))
+    s, z = _const(q.inputs[1]), _const(q.inputs[2]) if len(q.inputs) > 2 else 0
+    if s is None or z is None or s.size != 1:
+        return True
+    s, z = float(s.reshape(-1)[0]), int(np.asarray(z).reshape(-1)[0])
+    return (lo is None or float(lo) <= (-128 - z) * s) and (hi is None or float(hi) >= (127 - z) * s)
 
 
 def _plain_dq(value) -> bool:

@@ -41,6 +41,7 @@ class OnnxResult:
     latency: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
     data: bytes = field(default=b"", repr=False)  # the file's bytes
+    _tensorrt: Any = field(default=None, repr=False)  # tensorrt(), once
 
     def save(self, path: str | os.PathLike, report: bool = False) -> dict[str, Path]:
         """Write the file (and, with `report`, <name>_report.json / .md beside it: model.onnx ->
@@ -60,8 +61,19 @@ class OnnxResult:
             atomic_write(p, data)
         return {p.name: p for p in payload}
 
+    def tensorrt(self):
+        """Whether the file is one TensorRT's explicit quantization takes (intqat.deploy.tensorrt_check, read once
+        from the file's bytes): a TensorRTReadiness, or None without bytes."""
+        from intqat.deploy.tensorrt_check import check_tensorrt
+
+        if self._tensorrt is None and self.data:
+            self._tensorrt = check_tensorrt(self.data)
+        return self._tensorrt
+
     def to_dict(self) -> dict[str, Any]:
+        trt = self.tensorrt()
         return {"onnx": {"path": str(self.path), "form": self.form, "opset": self.opset, **self.info},
+                "tensorrt": trt.to_dict() if trt is not None else None,
                 "census": [c.to_dict() for c in self.census], "float_layers": self.float_layers,
                 "validation": self.validation, "size": self.size, "latency": self.latency}
 
@@ -86,6 +98,8 @@ class OnnxResult:
                                                                if "floor_ms" in t else "")
                             for b, t in self.latency.get("per_batch", {}).items())
             out.append(f"vs fp32 ONNX size {self.size['ratio']:.3f}x" + (f"; latency {lat}" if lat else ""))
+        trt = self.tensorrt()
+        out += trt.lines() if trt is not None else []
         out += self.info.get("notes", [])
         return out
 
@@ -116,6 +130,9 @@ class OnnxResult:
                       f"- float GEMM-class ops: {_counts(g['float_gemms']) or 'none'}",
                       f"- QuantizeLinear / DequantizeLinear left: {g['quantize_linear']} / {g['dequantize_linear']}",
                       f"- session options: {', '.join(f'{k}={v}' for k, v in g['session_options'].items())}"]
+        trt = self.tensorrt()
+        if trt is not None:
+            lines += ["", "## TensorRT", "", *(ln.strip() for ln in trt.lines())]
         lines += [""] + self.info.get("notes", []) + ["", ", ".join(f"{k} {v}" for k, v in self.info.get("versions", {}).items()), ""]
         return "\n".join(lines)
 

@@ -58,6 +58,7 @@ __all__ = [
     "grouped_vnni_available",
     "amx_grouped_available",
     "grouped_linear",
+    "depthwise_backward",
 ]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -105,7 +106,11 @@ _SIGNATURES = {
     "intqat_int16_linear": [_P, _I, _I, _P, _I, ctypes.c_int32, _P, _P, _I, _P, _P, _P, _P, _P],
     # q_x, M, K, q_w, N, gs, z, swt, Np, s_x, sx_stride, bias, ap, bp, y
     "intqat_int16_linear_grouped": [_P, _I, _I, _P, _I, _I, ctypes.c_int32, _P, _I, _P, _I, _P, _P, _P, _P],
+    # (depthwise_backward.c) g, g strides[4], q_x, x strides[4], z, s_x, q_w, s_w, geom[14], gx, gx strides, gw, gb
+    "intqat_dw_backward": [_P, _P, _P, _P, ctypes.c_int32, _F, _P, _P, _P, _P, _P, _P, _P],
 }
+
+_RETURNS = {"intqat_dw_backward": ctypes.c_int}  # (every other function returns nothing)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -116,7 +121,8 @@ _switch = OffSwitch()
 
 
 # compiled together into one library
-_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c")
+_SOURCES = ("fused.c", "amx_digits.c", "amx_linear.c", "int16_gemm.c", "grouped_linear.c", "amx_grouped.c",
+            "depthwise_backward.c")
 
 
 def _sources() -> list[Path]:
@@ -142,7 +148,7 @@ def _load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(_sources())))
             for name, argtypes in _SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, None
+                fn.argtypes, fn.restype = argtypes, _RETURNS.get(name)
             _lib = lib
         except (OSError, RuntimeError, FileNotFoundError) as e:
             warnings.warn(
@@ -589,3 +595,53 @@ def grouped_linear(q_x: Tensor, q_w: Tensor, s_w: Tensor, z: int, s_x: Tensor, b
         _lib.intqat_grouped_linear_f32(q_x.data_ptr(), M, K, K, wt.data_ptr(), swt.data_ptr(), N, Np, gs, z,
                                        s_x.data_ptr(), sx_stride, _ptr(bias), y.data_ptr(), N)
     return y
+
+
+# ---------------------------------------------------------------------------------------------
+# The depthwise conv's STE backward (kernels/cpu/depthwise_backward.c): groups == C == O, by channel blocks
+
+
+def _geometry(B, C, H, W, kh, kw, stride, padding, dilation) -> tuple[Tensor, int, int]:
+    Ho = (H + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    Wo = (W + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    geom = torch.tensor([B, C, H, W, kh, kw, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1],
+                         Ho, Wo], dtype=torch.int64)
+    return geom, Ho, Wo
+
+
+def _strides(t: Tensor) -> Tensor:
+    return torch.tensor(t.stride(), dtype=torch.int64)
+
+
+def _like_layout(shape, like: Tensor) -> Tensor:
+    """An fp32 tensor of `shape` (4-D) in like's memory format (channels_last stays channels_last)."""
+    channels_last = like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
+    return torch.empty(shape, dtype=torch.float32,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def depthwise_backward(g: Tensor, q_x: Tensor, z: int, s_x: float, q_w: Tensor, s_w: Tensor, stride, padding,
+                       dilation, need_x: bool, need_w: bool, need_b: bool
+                       ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The straight-through gradients of a depthwise conv (x_hat = (q_x - z) s_x, w_hat = q_w s_w[c]), unmasked:
+    grad_x (B, C, H, W) in q_x's memory format, grad_w (C, 1, kh, kw), grad_b (C,); each None where not asked.
+    g fp32 (B, C, Ho, Wo) any strides. fp32 sums in depthwise_backward.c's fixed order (independent of threads and vector width)."""
+    B, C, H, W = q_x.shape
+    kh, kw = q_w.shape[2], q_w.shape[3]
+    geom, _, _ = _geometry(B, C, H, W, kh, kw, stride, padding, dilation)
+    g = g if g.dtype is torch.float32 else g.to(torch.float32)
+    q_w = q_w.contiguous()
+    s_w = _fp32_contiguous(s_w.reshape(-1))
+    gx = _like_layout((B, C, H, W), q_x) if need_x else None
+    gw = torch.empty(q_w.shape, dtype=torch.float32) if need_w else None
+    gb = torch.empty(C, dtype=torch.float32) if need_b else None
+    if B * C == 0 or g.numel() == 0:  # nothing to sum: zeros (an empty batch still has weight gradients)
+        return (None if gx is None else gx.zero_(), None if gw is None else gw.zero_(),
+                None if gb is None else gb.zero_())
+    gs, xs = _strides(g), _strides(q_x)  # (named: a temporary's memory would be freed before the call)
+    gxs = None if gx is None else _strides(gx)
+    if _lib.intqat_dw_backward(g.data_ptr(), gs.data_ptr(), q_x.data_ptr(), xs.data_ptr(), int(z), float(s_x),
+                               q_w.data_ptr(), s_w.data_ptr(), geom.data_ptr(), _ptr(gx), _ptr(gxs), _ptr(gw), _ptr(gb)):
+        raise MemoryError(f"intqat: the depthwise backward could not allocate its per-thread buffers (input {tuple(q_x.shape)}, "
+                          f"kernel {tuple(q_w.shape[2:])})")
+    return gx, gw, gb

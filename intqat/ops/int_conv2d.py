@@ -9,7 +9,9 @@ Forward, x (B, C, H, W), W (O, C/g, kh, kw):
                                                            the codes in fp32, exact (see _grouped_acc)
     y    = float32(acc) * (s_x * s_w[o]) + b[o]
 Backward (STE), then the clip masks, and LSQ gradients for learned scales, as in int_linear:
-    fp32:   aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w)
+    fp32:   aten.convolution_backward on x_hat = dequantize(q_x) and w_hat = dequantize(q_w); a depthwise conv
+            (groups == C == O): the table's `depthwise_grad` (on the CPU kernels/cpu/depthwise_backward.c, ~6x aten's
+            at ConvNeXt's 7x7; the same sums in a fixed order of its own)
     digits (groups == 1, grad_gemm "int8x3", where `digits_pay` says so for the im2col GEMM (M, K', O),
     M = B*Ho*Wo, K' = C*kh*kw): int_linear's two backward GEMMs on the im2col form (`_digit_grads`),
         g_mat      = g as (M, O), rows NHWC pixels
@@ -355,6 +357,37 @@ def _digit_grads(g, q_x, z_x, s_x, q_w, s_w, stride, padding, dilation, digits_x
     return grad_xhat, grad_what
 
 
+def pointwise_nchw(g: Tensor, q_x: Tensor, q_w: Tensor, padding, groups: int) -> bool:
+    """A 1x1 conv without padding or groups, g and the codes NCHW-contiguous: its fp32 backward is two batched GEMMs
+    (`_pointwise_grads`), ~0.55-0.7x of aten's convolution_backward at MBConv's shapes (oneDNN's 1x1 backward; 1 thread,
+    AMX Xeon). The C++ conv step takes the same branch with the same calls."""
+    return (q_w.shape[2] == 1 and q_w.shape[3] == 1 and groups == 1 and tuple(padding) == (0, 0)
+            and g.is_contiguous() and q_x.is_contiguous())
+
+
+def _pointwise_grads(g, x_hat, w_hat, stride, x_shape, need_x, need_w, need_b):
+    """The fp32 STE gradients of a pointwise conv (`pointwise_nchw`), each None where not asked: g (B, O, Ho, Wo),
+    x_hat (B, C, H, W) (None unless need_w), w_hat (O, C, 1, 1); with stride s the conv reads x[:, :, ::s, ::s]:
+        grad_x[:, :, ::s, ::s] = w_hatᵀ (C, O) @ g[b] (O, Ho*Wo)   per image (0 elsewhere)
+        grad_w = sum over images of g[b] (O, Ho*Wo) @ x_sub[b]ᵀ (Ho*Wo, C);   grad_b = g summed over (B, Ho, Wo)"""
+    B, O, Ho, Wo = g.shape
+    C = w_hat.shape[1]
+    g3 = g.reshape(B, O, Ho * Wo)
+    gx = gw = gb = None
+    if need_x:
+        gx = torch.matmul(w_hat.reshape(O, C).t(), g3).view(B, C, Ho, Wo)
+        if tuple(stride) != (1, 1):
+            full = g.new_zeros(x_shape)
+            full[:, :, ::stride[0], ::stride[1]] = gx
+            gx = full
+    if need_w:
+        x_sub = x_hat if tuple(stride) == (1, 1) else x_hat[:, :, ::stride[0], ::stride[1]]
+        gw = torch.bmm(g3, x_sub.reshape(B, C, Ho * Wo).transpose(1, 2)).sum(0).view(O, C, 1, 1)
+    if need_b:
+        gb = g.sum(dim=(0, 2, 3))
+    return gx, gw, gb
+
+
 def _backward(ctx, g, *_unused):
     """-> the gradients of (x, weight, bias, x_scale, x_zero_point, w_scale)."""
     if g is None:  # eager path with unmaterialised grads: y did not reach the loss
@@ -379,7 +412,20 @@ def _backward(ctx, g, *_unused):
             grad_b = g.sum(dim=(0, 2, 3))
             want_b = False
     fp32_x, fp32_w = want_x and grad_xhat is None, want_w and grad_what is None
-    if fp32_x or fp32_w or want_b:
+    if (fp32_x or fp32_w or want_b) and C == 1 and O == groups:  # depthwise: the table's depthwise_grad
+        gx, gw, gb = backends.select("depthwise_grad", g, q_x, q_w).depthwise_grad(
+            g, q_x, z_x, s_x, q_w, ws.reshape(-1), stride, padding, dilation, fp32_x, fp32_w, want_b)
+        grad_xhat = gx if fp32_x else grad_xhat
+        grad_what = gw if fp32_w else grad_what
+        grad_b = gb if want_b else grad_b
+    elif (fp32_x or fp32_w or want_b) and pointwise_nchw(g, q_x, q_w, padding, groups):
+        x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(())) if fp32_w else None
+        w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
+        gx, gw, gb = _pointwise_grads(g, x_hat, w_hat, stride, q_x.shape, fp32_x, fp32_w, want_b)
+        grad_xhat = gx if fp32_x else grad_xhat
+        grad_what = gw if fp32_w else grad_what
+        grad_b = gb if want_b else grad_b
+    elif fp32_x or fp32_w or want_b:
         x_hat = dequantize(q_x, s_x.reshape(()), z_x.reshape(()))  # one fused pass each on the CPU
         w_hat = dequantize(q_w, ws.reshape(-1), 0, axis=0)
         gx, gw, gb = torch.ops.aten.convolution_backward(
@@ -513,7 +559,8 @@ def conv_call(x, weight, bias, x_scale, x_zero_point, w_scale, *, stride, paddin
             s_x, z = float(x_scale), rounded_zero_point_int(x_zero_point, x_qmin, x_qmax)
     spec = ConvStep(x_qmin, x_qmax, w_qmin, w_qmax, x_dynamic, w_clip_mask, groups, learned,
                     x_dynamic or x_scale.dtype == torch.float32, s_x is None or (s_x == s_x and z is not None),
-                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm)
+                    empty, Cg * kh * kw <= _EXACT_FP32_TERMS, K, gemm_shape, geometry, grad_gemm,
+                    groups > 1 and Cg == 1 and O == groups)
     b = backends.select("conv_step", *tensors, spec=spec, eager=eager, record=record)
     return b, (x.to(torch.float32), weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x,
                z)
@@ -542,6 +589,7 @@ class ConvStep(NamedTuple):
     gemm_shape: tuple | None = None
     geometry: tuple | None = None
     grad_gemm: str = "int8x3"
+    depthwise: bool = False  # groups == C == O: the backward is the table's depthwise_grad
 
 
 def _python_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec: ConvStep, s_x,

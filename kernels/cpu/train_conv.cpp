@@ -21,7 +21,9 @@
  *     groups  > 1: y = conv2d_fp32(q_x - z, q_w, groups) * (s_x s_w[o]) + b[o]   (exact: <= 512 terms)
  * Backward (straight-through), then the clip masks; digits_x / digits_w: that GEMM on the int8 units (groups == 1
  * only; int_conv2d._digit_grads, the same calls), on AMX tiles (digits_amx) or through torch._int_mm:
- *     fp32:   convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o]
+ *     fp32:   convolution_backward on x_hat = (q_x - z) s_x, w_hat = q_w s_w[o]; a depthwise conv (groups == C ==
+ *             O): depthwise_backward.c's channel blocks (int_conv2d._backward's depthwise_grad on cpu_fused); a
+ *             pointwise conv on NCHW tensors (int_conv2d.pointwise_nchw): two batched GEMMs (_pointwise_grads)
  *     digits: g_mat (M, O) = g as NHWC rows; grad_w = (g_mat s_x)ᵀ @ (im2col(q_x) - z)   (O, kh*kw*C)
  *             grad_x = fold((g_mat s_w[o]) @ q_w_cols)   (M, kh*kw*C) -> each pixel's window sum, (i, j) order
  *             grad_b = sum of g over (B, Ho, Wo) (when either GEMM is digits)
@@ -74,6 +76,10 @@ void intqat_quantize_bits(const float *x, int64_t n, const float *scale, float z
                           uint8_t *bits);
 void intqat_pack_bits(const uint8_t *mask, int64_t n, uint8_t *packed);
 void intqat_mask_zero_bits(float *g, const uint8_t *packed, int64_t n);
+// depthwise_backward.c: a depthwise conv's STE backward by channel blocks (strides in elements, (b, c, h, w))
+int intqat_dw_backward(const float *g, const int64_t *gs, const int8_t *q_x, const int64_t *xs, int32_t z, float s_x,
+                       const int8_t *q_w, const float *s_w, const int64_t *geom, float *gx, const int64_t *gxs, float *gw,
+                       float *gb);  // 0, or 1: its buffers could not be allocated
 // int16_gemm.c: exact int8 GEMM on AVX2's vpmaddwd (the avx2_int16 backend's int_mm; in every build, an
 // aborting stub without AVX2, which the Python side never asks for)
 void intqat_int16_gemm(const int8_t *a, int64_t M, int64_t K, int64_t a_rs, int64_t a_cs, const int8_t *b, int64_t N,
@@ -578,7 +584,56 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
             }
         }
         const bool fx = need_x && !gx.defined(), fw = need_w && !gw.defined();
-        if (fx || fw || want_b) {
+        const int64_t groups = ctx->saved_data["groups"].toInt();
+        if ((fx || fw || want_b) && q_w.size(1) == 1 && q_w.size(0) == groups) {
+            // depthwise: int_conv2d._backward's depthwise_grad on cpu_fused (the plan checked it runs there)
+            const int64_t B = q_x.size(0), C = q_x.size(1), H = q_x.size(2), W = q_x.size(3), Ho = g.size(2),
+                          Wo = g.size(3);
+            const int64_t geom[14] = {B, C, H, W, q_w.size(2), q_w.size(3), stride[0], stride[1], padding[0],
+                                      padding[1], dilation[0], dilation[1], Ho, Wo};
+            const at::Tensor q_wc = q_w.contiguous();
+            if (fx) gx = at::empty_like(dense(q_x) ? q_x : q_x.contiguous(), at::kFloat);
+            if (fw) gw = at::empty(q_w.sizes(), at::TensorOptions().dtype(at::kFloat));
+            if (want_b) gb = at::empty({C}, at::TensorOptions().dtype(at::kFloat));
+            if (B * C && g.numel()) {
+                const int64_t gs[4] = {g.stride(0), g.stride(1), g.stride(2), g.stride(3)},
+                              xs[4] = {q_x.stride(0), q_x.stride(1), q_x.stride(2), q_x.stride(3)};
+                int64_t gxs[4] = {0, 0, 0, 0};
+                if (fx) for (int d = 0; d < 4; d++) gxs[d] = gx.stride(d);
+                const int failed = intqat_dw_backward(
+                    g.data_ptr<float>(), gs, q_x.data_ptr<int8_t>(), xs, z, s_x.data_ptr<float>()[0],
+                    q_wc.data_ptr<int8_t>(), s_w.data_ptr<float>(), geom, fx ? gx.data_ptr<float>() : nullptr, gxs,
+                    fw ? gw.data_ptr<float>() : nullptr, want_b ? gb.data_ptr<float>() : nullptr);
+                TORCH_CHECK(!failed, "intqat_train::int_conv2d: the depthwise backward could not allocate its "
+                            "per-thread buffers (input ", q_x.sizes(), ")");
+            } else {  // nothing to sum (depthwise_backward's zeros)
+                if (fx) gx.zero_();
+                if (fw) gw.zero_();
+                if (want_b) gb.zero_();
+            }
+        } else if ((fx || fw || want_b) && q_w.size(2) == 1 && q_w.size(3) == 1 && groups == 1 && padding[0] == 0 &&
+                   padding[1] == 0 && g.is_contiguous() && q_x.is_contiguous()) {
+            // pointwise (int_conv2d.pointwise_nchw): two batched GEMMs, int_conv2d._pointwise_grads' calls
+            const int64_t B = g.size(0), O = g.size(1), Ho = g.size(2), Wo = g.size(3), C = q_w.size(1);
+            const bool strided = stride[0] != 1 || stride[1] != 1;
+            const at::Tensor w_hat = dequantized(q_w, s_w, 0.0f, /*per_row=*/s_w.numel() > 1, "w_hat");
+            const at::Tensor g3 = g.reshape({B, O, Ho * Wo});
+            if (fx) {
+                gx = at::matmul(w_hat.reshape({O, C}).t(), g3).view({B, C, Ho, Wo});
+                if (strided) {
+                    at::Tensor full = at::zeros(q_x.sizes(), at::TensorOptions().dtype(at::kFloat));
+                    full.slice(2, 0, q_x.size(2), stride[0]).slice(3, 0, q_x.size(3), stride[1]).copy_(gx);
+                    gx = full;
+                }
+            }
+            if (fw) {
+                const at::Tensor x_hat = dequantized(q_x, s_x, (float)z, false, "x_hat");
+                const at::Tensor x_sub =
+                    strided ? x_hat.slice(2, 0, q_x.size(2), stride[0]).slice(3, 0, q_x.size(3), stride[1]) : x_hat;
+                gw = at::bmm(g3, x_sub.reshape({B, C, Ho * Wo}).transpose(1, 2)).sum(0).view({O, C, 1, 1});
+            }
+            if (want_b) gb = g.sum({0, 2, 3});
+        } else if (fx || fw || want_b) {
             // grad_input reads x_hat's sizes and layout only (mkldnn_convolution_backward_input(input.sizes(), ...)):
             // its values are needed for grad_w alone
             const at::Tensor x_hat = fw ? dequantized(q_x, s_x, (float)z, false, "x_hat")
@@ -587,8 +642,8 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
             const std::vector<int64_t> bias_sizes = {w_hat.size(0)};
             auto r = at::convolution_backward(g, x_hat, w_hat, has_bias ? c10::optional<at::IntArrayRef>(bias_sizes)
                                                                        : c10::nullopt,
-                                              stride, padding, dilation, false, {0, 0},
-                                              ctx->saved_data["groups"].toInt(), {fx, fw, want_b});
+                                              stride, padding, dilation, false, {0, 0}, groups,
+                                              {fx, fw, want_b});
             if (fx) gx = std::get<0>(r);
             if (fw) gw = std::get<1>(r);
             if (want_b) gb = std::get<2>(r);

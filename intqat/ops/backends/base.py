@@ -20,9 +20,12 @@ The primitives (the same signature in every backend that implements them):
     pack_mask / unpack_mask                  clip masks as bits for backward (masks.py)
     mask_zero_packed_(g, packed)             where(unpack_mask(packed), g, 0) straight from the bits
     ste_grad_input / ste_grad_weight         the whole STE backward GEMM with its mask (Triton)
+    depthwise_grad(g, q_x, z_x, s_x, q_w, s_w, stride, padding, dilation, need_x, need_w, need_b)
+                                             a depthwise conv's STE backward (fp32 sums: equal within rounding)
 
 The plain-torch backend (`reference`) implements them all and is their definition: every other
-backend computes the same bits, which tests/test_backends.py checks on whatever CPU runs it.
+backend computes the same bits, which tests/test_backends.py checks on whatever CPU runs it (but for
+depthwise_grad, whose fp32 sums each implementation orders its own way: tests/test_depthwise_backward.py).
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ class CppStep(Backend):
             return "a group longer than one exact fp32 conv (512 terms): the Python path cuts it into chunks"
         if not grouped and not 0 < spec.K <= MAX_K_INT32:
             return "K = C * kh * kw outside (0, MAX_K_INT32]"
-        steps = ["quantize_rows", "dequantize_rows"] + ([] if grouped else ["epilogue"])
+        steps = ["quantize_rows", "dequantize_rows"] + ([] if grouped else ["epilogue"]) + (
+            ["depthwise_grad"] if spec.depthwise else [])  # (its kernel is cpu_fused's: the op calls it)
         reason = self._passes_on_cpu_fused(steps)
         if reason is not None:
             return reason

@@ -198,3 +198,9 @@ class CpuFused(Backend):
 
     def unpack_mask(self, packed, shape):
         return cpu_kernels.unpack_bits(packed, shape)
+
+    # --- the depthwise conv's STE backward: channel blocks in C (depthwise_backward.c), fp32 sums in a fixed order --
+
+    def depthwise_grad(self, g, q_x, z_x, s_x, q_w, s_w, stride, padding, dilation, need_x, need_w, need_b):
+        return cpu_kernels.depthwise_backward(g, q_x, int(z_x.reshape(())), float(s_x.reshape(())), q_w, s_w, stride,
+                                              padding, dilation, need_x, need_w, need_b)

@@ -1,6 +1,7 @@
 """The plain-torch backend: the definition of every primitive (docs/numerics.md), and what tracers see.
 
-Every other backend must return the same bits as this one. Two forms, chosen per call:
+Every other backend must return the same bits as this one, but for `depthwise_grad` (fp32 sums whose order is each
+implementation's: equal within rounding, see its docstring). Two forms, chosen per call:
 - the definition (eager calls: what tests/test_backends.py compares every backend with): its integer GEMMs
   are `exact.exact_int_mm`, an int64 matmul on the CPU that shares no kernel with the fast backends
   (docs/numerics.md, "The definition does not lean on the kernels it checks"). Slower; exact on any machine.
@@ -84,7 +85,7 @@ class Reference(Backend):
     primitives = frozenset({
         "int_mm", "linear", "epilogue", "digit_matmul", "quantize_rows", "quantize_rows_dynamic",
         "fake_quantize_rows", "dequantize_rows", "mask_zero_packed_", "pack_mask", "unpack_mask", "linear_grouped",
-        "minmax", "linear_step", "conv_step", "grouped_step",
+        "minmax", "linear_step", "conv_step", "grouped_step", "depthwise_grad",
     })
     traceable = True
     _steps: dict = {}  # "linear_step" / "conv_step" -> the op's Python path (`define`)
@@ -227,3 +228,20 @@ class Reference(Backend):
     def unpack_mask(self, packed, shape):
 
         return unpack_mask_torch(packed, shape)
+
+    # --- the depthwise conv's STE backward ------------------------------------------------------
+
+    def depthwise_grad(self, g, q_x, z_x, s_x, q_w, s_w, stride, padding, dilation, need_x, need_w, need_b):
+        """(grad of x_hat, grad of w_hat, grad_b) of a depthwise conv (groups == C == O), unmasked, each None where not
+        asked: aten.convolution_backward on x_hat = (q_x - z_x) s_x and w_hat = q_w s_w[c]. g (B, C, Ho, Wo) fp32,
+        q_x (B, C, H, W) and q_w (C, 1, kh, kw) int8, z_x and s_x one value each (tensors), s_w (C,).
+
+        The one primitive whose backends agree within fp32 rounding, not bit for bit: its sums are fp32 and their
+        order is each implementation's (oneDNN's here, which also differs between CPUs; cpu_fused's a fixed order:
+        kernels/cpu/depthwise_backward.c). tests/test_depthwise_backward.py bounds both against a float64 sum."""
+        C = q_w.shape[0]
+        x_hat = self.dequantize_rows(q_x, s_x.reshape(()), z_x.reshape(()), False)
+        w_hat = q_w.to(torch.float32) * s_w.reshape(-1, 1, 1, 1).to(torch.float32)  # dequantize's (q - 0) * s
+        gx, gw, gb = torch.ops.aten.convolution_backward(g, x_hat, w_hat, [C] if need_b else None, stride, padding,
+                                                         dilation, False, [0, 0], C, [need_x, need_w, need_b])
+        return gx if need_x else None, gw if need_w else None, gb if need_b else None
