@@ -94,7 +94,8 @@ def test_rewritten_attention_equals_the_unrewritten_graph_in_onnxruntime(module,
     after = _bytes(plain)
     ops_before, ops_after = _ops(before), _ops(after)
     assert "Unsqueeze" not in ops_after and "Squeeze" not in ops_after and "Gather" not in ops_after, ops_after
-    assert ops_after.count("Split") == ops_before.count("Split") + 1 and ops_after.count("Transpose") == ops_before.count("Transpose") - 1 - out
+    assert ops_after.count("Split") == ops_before.count("Split") + 1, ops_after
+    assert ops_after.count("Transpose") == ops_before.count("Transpose") - 1 - out, ops_after
     a, b = session(before), session(after)
     for batch in batches:
         args = _inputs(module, batch)

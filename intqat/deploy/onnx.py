@@ -76,7 +76,7 @@ def _to_onnx(program, args: tuple, opset: int, table: dict):
         onnx_program = torch.onnx.export(program, args, dynamo=True, opset_version=opset,
                                          custom_translation_table=float_translations() | table, optimize=True, verbose=False)
     residual_adds_as_sum(onnx_program.model)  # (onnx_graph: onnxruntime's SkipLayerNormalization is the slower form)
-    split_packed_heads(onnx_program.model)  # (onnx_graph: MultiheadAttention's heads in 7 nodes instead of 17)
+    split_packed_heads(onnx_program.model)  # (onnx_graph: MultiheadAttention's heads in 5 nodes, not 17)
     batch_first_out_projection(onnx_program.model)  # (onnx_graph: its output without the batch_first Transpose)
     return onnx_program.model
 

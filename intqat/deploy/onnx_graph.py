@@ -149,14 +149,14 @@ def _heads_of(view) -> tuple[list, int, int] | None:
         flat = _only_use(gathers[i][0].outputs[0], "Reshape")  # (T, B*H, d)
         c2 = _ints(flat.inputs[1]) if flat is not None else None
         swap = _only_use(flat.outputs[0], "Transpose") if c2 else None  # (B*H, T, d)
-        split = _only_use(swap.outputs[0], "Reshape") if swap is not None else None  # (B, H, T, d)
-        c3 = _ints(split.inputs[1]) if split is not None else None
+        unflat = _only_use(swap.outputs[0], "Reshape") if swap is not None else None  # (B, H, T, d)
+        c3 = _ints(unflat.inputs[1]) if unflat is not None else None
         if not c2 or len(c2) != 3 or list(_attr(swap, "perm", [])) != [1, 0, 2] or not c3 or len(c3) != 4 \
                 or c2[0] != c1[0] or c3[2] != c1[0] or c2[2] != c3[3] or c3[1] < 1 or c3[1] * c3[3] != e \
                 or heads not in (None, c3[1]):
             return None
         heads, d = c3[1], c3[3]
-        ends.append(split)
+        ends.append(unflat)
     return ends, heads, d
 
 
@@ -185,8 +185,8 @@ def _drop_dead(graph) -> None:
 
 
 def split_packed_heads(model) -> int:
-    """torch's packed q / k / v heads chain -> Split, Reshape (T, B, H, d), Transpose per part, in an onnx_ir model,
-    in place (module docstring); -> how many projections."""
+    """torch's packed q / k / v heads chain -> Reshape (T, B, parts*H, d), Split, a Transpose per part, in an onnx_ir
+    model, in place (module docstring); -> how many packed projections."""
     from onnxscript import ir
 
     graph, done, outputs = model.graph, 0, []
@@ -228,7 +228,6 @@ def split_packed_heads(model) -> int:
 
 
 _ELEMENTWISE = ("Add", "Sub", "Mul", "Div", "Round", "Clip", "Cast", "Relu", "QuantizeLinear", "DequantizeLinear")
-_GEMMS = ("Gemm", "MatMul", "MatMulInteger")
 
 
 def _static(value, depth: int = 4) -> bool:
