@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from intqat.deploy._require import require
 from intqat.deploy.onnx_census import census, float_of, integer_layers, layer_ops, refused_layer
-from intqat.deploy.onnx_graph import float_translations, residual_adds_as_sum
+from intqat.deploy.onnx_graph import (batch_first_out_projection, float_translations, residual_adds_as_sum,
+                                      split_packed_heads)
 from intqat.deploy.onnx_report import OnnxLayer, OnnxResult
 from intqat.deploy.onnx_runtime import compare, ort_graph, session
 
@@ -75,6 +76,8 @@ def _to_onnx(program, args: tuple, opset: int, table: dict):
         onnx_program = torch.onnx.export(program, args, dynamo=True, opset_version=opset,
                                          custom_translation_table=float_translations() | table, optimize=True, verbose=False)
     residual_adds_as_sum(onnx_program.model)  # (onnx_graph: onnxruntime's SkipLayerNormalization is the slower form)
+    split_packed_heads(onnx_program.model)  # (onnx_graph: MultiheadAttention's heads in 5 nodes, not 17)
+    batch_first_out_projection(onnx_program.model)  # (onnx_graph: its output without the batch_first Transpose)
     return onnx_program.model
 
 
