@@ -161,14 +161,15 @@ def machine_lines(info: dict | None = None) -> list[str]:
     return lines
 
 
+# named one by one in the backends column (the GEMMs, and the depthwise backward: its own kernel, not a pass)
 _GEMM_PRIMITIVES = ("int_mm", "linear", "linear_grouped", "digit_matmul", "ste_grad_input", "ste_grad_weight",
-                    "conv_int8")
+                    "conv_int8", "depthwise_grad")
 _STEP_PRIMITIVES = ("linear_step", "conv_step", "grouped_step")  # a whole layer step: the C++ op (cpp_step) or the Python path
 
 
 def backends_used(run: Callable[[], object]) -> str:
-    """Run once and say which backend ran each primitive: the GEMMs by name, the elementwise passes
-    together, e.g. 'linear=fp32_exact passes=cpu_fused' ('-': no intqat primitive ran)."""
+    """Run once and say which backend ran each primitive: the GEMMs (and the depthwise backward) by name, the
+    elementwise passes together, e.g. 'linear=fp32_exact passes=cpu_fused' ('-': no intqat primitive ran)."""
     with backends.recording() as ran:
         run()
     gemms: dict[str, set] = {}  # (a primitive the table put on two backends by shape: both, e.g. amx+cpu_fused)
