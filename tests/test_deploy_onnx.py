@@ -257,7 +257,8 @@ def test_cli_format_onnx_and_onnx_int(run_dir, capsys):
     assert qdq["validation"]["top1_agreement"] == 1.0 and qdq["validation"]["samples"] == 270
     assert qdq["size"]["ratio"] < 0.5 and set(qdq["latency"]["per_batch"]) == {"1", "32"}
     # the floor (an Identity file on the same inputs, timed beside them) and the session options beside the figures
-    assert {"floor_ms", "ratio_above_floor"} <= set(qdq["latency"]["per_batch"]["1"]) and "floor" in printed
+    assert {"floor_ms", "ratio_above_floor", "after_other"} <= set(qdq["latency"]["per_batch"]["1"])
+    assert "floor" in printed and "back-to-back" in qdq["latency"]["method"]
     assert qdq["latency"]["session_options"]["intra_op_num_threads"] == 1
     assert qdq["onnx"]["onnxruntime_graph"]["integer_kernels"] == {"QGemm": 3}
     assert qdq["onnx"]["source"].startswith(str(run_dir))

@@ -126,8 +126,13 @@ def test_floor_model_returns_its_inputs_and_is_timed_beside_the_files(tmp_path, 
     assert torch.equal(out[0], x) and torch.equal(out[1], tokens)
     path = tmp_path / "model.onnx"
     path.write_bytes(mlp_qdq.data)
-    times = onnx_latency({"qdq": path}, {1: (x[:1],)}, repeats=3, warmup=1)
+    after_other: dict = {}
+    times = onnx_latency({"qdq": path}, {1: (x[:1],)}, repeats=3, warmup=1, after_other=after_other)
     assert set(times) == {1} and set(times[1]) == {"qdq", "floor"} and min(times[1].values()) > 0
+    # each round's first call of a file (just after another file's) kept apart from the back-to-back ones
+    assert set(after_other) == {1} and set(after_other[1]) == {"qdq", "floor"} and min(after_other[1].values()) > 0
+    with pytest.raises(ValueError, match="burst must be >= 1"):
+        onnx_latency({"qdq": path}, {1: (x[:1],)}, burst=0)
     with pytest.raises(ValueError, match='"floor" names the floor model'):
         onnx_latency({"floor": path}, {1: (x[:1],)})
     assert ort_graph(path)["integer_kernels"] == {"QGemm": 3}

@@ -337,6 +337,9 @@ def test_cli_format_pte_of_a_run_directory(run_dir, capsys):
         for figures in (t, t["cpp"]):
             assert figures["floor_ms"] > 0 and figures["int8_ms"] > 0 and figures["fp32_ms"] > 0
             assert figures["int8_above_floor_ms"] == pytest.approx(figures["int8_ms"] - figures["floor_ms"])
+            # back to back is the figure; each burst's first call (just after another file's) beside it
+            after = figures["after_other"]
+            assert after["int8_ms"] > 0 and after["ratio"] == pytest.approx(after["int8_ms"] / after["fp32_ms"])
     # the file's parts add up; the int8 weights are stored once, beside the fp32 head (the model-output rule) and,
     # per static layer, fp32 weight scales, the int32 bias and its own scales (XNNPACK's format); nothing else
     parts = report["size"]["int8_parts"]

@@ -11,9 +11,13 @@ Models:
 Every .pte is made by intqat.deploy.executorch.export_pte (its census decides what runs where); the fp32 .pte is
 the same model with every layer float, lowered with XNNPACK the same way. Every ONNX file is made by
 intqat.deploy.onnx.export_onnx (form qdq: model.onnx; form int: model.int.onnx); the fp32 ONNX is the same model with
-every layer float (its dequantized weights). Latency: median CPU time (time.process_time) of interleaved calls, one
-thread (XNNPACK / onnxruntime), in a fresh Python that never imports intqat (the files as a deployer loads them).
-The .pte rows also give the floor (a .pte of the same input returning it + 1, timed interleaved with both files:
+every layer float (its dequantized weights). Latency: median CPU time (time.process_time) per call of back-to-back
+calls, one thread (XNNPACK / onnxruntime), in a fresh Python that never imports intqat (the files as a deployer
+loads them): each round runs every file in turn, 4 calls each (intqat.deploy.runtime.LATENCY_BURST), the order
+rotated; the first call of each burst, made just after another file's, is kept apart ("after another file": caches
+and runtime state another model left, which a process serving its one model does not see) and its ratio printed
+in the verdicts beside the target's. (Before 2026-11-28's fifth pass every timed call followed another file's.)
+The .pte rows also give the floor (a .pte of the same input returning it + 1, timed beside both files:
 the per-call cost no model avoids), the ratio above it ((int8 - floor) / (fp32 - floor): the models' own time),
 and the same three files timed in ExecuTorch's C++ runtime (intqat.deploy.pte_latency). The ONNX rows give
 onnxruntime's floor the same way (an Identity file on the same inputs, intqat.deploy.onnx_runtime.floor_model). The .pte verdict judges
@@ -34,6 +38,7 @@ import torch
 
 from intqat.bench.table import Table, fmt_num, fmt_ratio
 from intqat.bench.timing import machine_info, machine_lines
+from intqat.deploy.runtime import LATENCY_BURST
 
 __all__ = ["run_deploy_bench", "DeploySettings", "TARGETS"]
 
@@ -113,6 +118,8 @@ def _row(table: Table, name: str, fmt: str, result, batch: int, first: bool) -> 
            "census": [c.to_dict() for c in result.census]}
     if "floor_ms" in t:  # the runtime's own per-call cost (pte_latency / onnx_runtime.onnx_latency)
         row.update(floor_ms=t["floor_ms"], latency_ratio_above_floor=t["ratio_above_floor"])
+    if "after_other" in t:  # each burst's first call, just after another file's (not the target's figure)
+        row.update(after_other=t["after_other"])
     if fmt == "pte":  # the C++ runner (intqat.deploy.pte_latency)
         row.update(cpp=cpp,
                    cpp_status=result.latency.get("cpp"), delegate_calls=result.info.get("delegate_calls"))
@@ -137,11 +144,12 @@ def run_deploy_bench(quick: bool = False, repeats: int | None = None, info: dict
         title="intqat-bench deploy: int8 .pte (ExecuTorch, XNNPACK) vs fp32 .pte; Q/DQ and integer ONNX vs fp32 ONNX "
               "(onnxruntime) of the same model",
         header_lines=machine_lines(info) + [
-            f"executorch {version('executorch')}, onnxruntime {version('onnxruntime')}; latency: median CPU ms of "
-            f"{s.repeats} interleaved calls, one thread, in a Python that never imports intqat; agreement: each file "
-            "against intqat's integer model",
-            "floor = a .pte of the same input returning it + 1 (one delegate call) / an Identity ONNX, timed interleaved "
-            "with both files; above floor = (int8 - floor) / (fp32 - floor), the model's own time; C++ = the same "
+            f"executorch {version('executorch')}, onnxruntime {version('onnxruntime')}; latency: median CPU ms per "
+            f"call of back-to-back calls ({s.repeats} rounds, each running every file in turn, {LATENCY_BURST} calls "
+            "each, all but the first timed), one thread, in a Python that never imports intqat; 'after another "
+            "file' (verdicts): the first call of each burst; agreement: each file against intqat's integer model",
+            "floor = a .pte of the same input returning it + 1 (one delegate call) / an Identity ONNX, timed beside "
+            "both files; above floor = (int8 - floor) / (fp32 - floor), the model's own time; C++ = the same "
             "three files in ExecuTorch's C++ runtime (no Python binding)",
             f"targets at batch 1: int8 .pte latency <= {TARGETS['latency_ratio_b1']}x and size <= "
             f"{TARGETS['size_ratio']}x the fp32 .pte; Q/DQ ONNX latency <= {TARGETS['onnx_latency_ratio_b1']}x the fp32 "
@@ -186,8 +194,9 @@ def _verdicts(table: Table) -> list[str]:
         if r["format"] == "pte":
             out.append(_pte_verdict(r))
         elif r["format"] == "onnx":
-            out.append(f"{r['model']}, ONNX Q/DQ: batch-1 latency {lat:.2f}x "
-                       f"({'met' if lat <= TARGETS['onnx_latency_ratio_b1'] else 'NOT met'}), size {size:.2f}x")
+            out.append(f"{r['model']}, ONNX Q/DQ: batch-1 latency {lat:.2f}x back to back "
+                       f"({'met' if lat <= TARGETS['onnx_latency_ratio_b1'] else 'NOT met'}; "
+                       f"{_after_other(r.get('after_other'))} after another file), size {size:.2f}x")
         else:
             out.append(f"{r['model']}, ONNX int: {'bit for bit' if r['bit_exact'] else 'NOT bit for bit'} "
                        f"({r['max_diff_in_steps']:.2g} steps), batch-1 latency {lat:.2f}x")
@@ -203,8 +212,9 @@ def _pte_verdict(r: dict) -> str:
     per-call cost counts, the Python binding's does not), or of the Python runner where C++ was not measured; the
     other figures beside it, not judged."""
     lat, size, cpp, above = r["latency_ratio"], r["size_ratio"], r.get("cpp"), r.get("latency_ratio_above_floor")
-    judged, which = (cpp["ratio"], "C++ runner, raw") if cpp else (lat, "Python runner, raw: no C++ runner here")
-    also = [f"from Python {lat:.2f}x raw"]
+    judged, which = (cpp["ratio"], "C++ runner, raw, back to back") if cpp else \
+        (lat, "Python runner, raw, back to back: no C++ runner here")
+    also = [f"{_after_other((cpp or r).get('after_other'))} after another file", f"from Python {lat:.2f}x raw"]
     if cpp:
         also.append(f"above the floor (model time, not the target) C++ {_num(cpp['ratio_above_floor'])}, Python "
                     f"{_num(above)}")
@@ -213,6 +223,10 @@ def _pte_verdict(r: dict) -> str:
     return (f"{r['model']}, .pte: batch-1 latency {judged:.2f}x ({which}: "
             f"{'met' if judged <= TARGETS['latency_ratio_b1'] else 'NOT met'}); {'; '.join(also)}; size {size:.2f}x "
             f"({'met' if size <= TARGETS['size_ratio'] else 'NOT met'}); {r.get('delegate_calls')} delegate calls")
+
+
+def _after_other(t: dict | None) -> str:
+    return "n/a" if not t else f"{t['ratio']:.2f}x"
 
 
 def _num(r: float | None) -> str:

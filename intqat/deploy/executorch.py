@@ -244,7 +244,9 @@ class PteResult:
                 above = "n/a" if f["ratio_above_floor"] is None else f"{f['ratio_above_floor']:.3f}x"
                 lines.append(f"- batch {batch}, {runner}: {f['int8_ms'] * 1e3:.2f} µs, fp32 .pte {f['fp32_ms'] * 1e3:.2f} µs "
                              f"({f['ratio']:.3f}x raw); floor {f['floor_ms'] * 1e3:.2f} µs, above it "
-                             f"{f['int8_above_floor_ms'] * 1e3:.2f} vs {f['fp32_above_floor_ms'] * 1e3:.2f} µs ({above})")
+                             f"{f['int8_above_floor_ms'] * 1e3:.2f} vs {f['fp32_above_floor_ms'] * 1e3:.2f} µs ({above})"
+                             + (f"; just after another file's call {f['after_other']['ratio']:.3f}x"
+                                if f.get("after_other") else ""))
         if self.latency:
             lines.append(f"- latency: {self.latency['method']}; C++ runner {self.latency['cpp']}; CPU "
                          f"{self.latency['cpu']}")

@@ -249,7 +249,7 @@ def _latency(data: bytes, float_data: bytes, args: tuple, batches: Sequence[int]
     import tempfile
 
     from intqat.deploy.executorch import _repeat_batch
-    from intqat.deploy.onnx_runtime import SESSION_OPTIONS, onnx_latency
+    from intqat.deploy.onnx_runtime import LATENCY_BURST, SESSION_OPTIONS, onnx_latency
     from intqat.deploy.runtime import cpu_name
 
     if not batches:
@@ -258,17 +258,24 @@ def _latency(data: bytes, float_data: bytes, args: tuple, batches: Sequence[int]
         files = {"int8": Path(tmp) / "int8.onnx", "fp32": Path(tmp) / "fp32.onnx"}
         files["int8"].write_bytes(data)
         files["fp32"].write_bytes(float_data)
-        times = onnx_latency(files, {b: tuple(_repeat_batch(a, b) for a in args) for b in batches}, repeats)
-    # floor: an Identity file on the same inputs, interleaved (onnxruntime's fixed cost per call from Python); above
-    # the floor: the ratio of what the two graphs themselves cost
+        after_other: dict = {}
+        times = onnx_latency(files, {b: tuple(_repeat_batch(a, b) for a in args) for b in batches}, repeats,
+                             after_other=after_other)
+    # floor: an Identity file on the same inputs, timed the same way (onnxruntime's fixed cost per call from
+    # Python); above the floor: the ratio of what the two graphs themselves cost. after_other: each file's first
+    # call of a burst, just after another file's (caches and onnxruntime state another model left): beside, not
+    # the target's figure
     per_batch = {b: {"ms": t["int8"], "fp32_ms": t["fp32"], "ratio": t["int8"] / t["fp32"], "floor_ms": t["floor"],
-                     "ratio_above_floor": (t["int8"] - t["floor"]) / max(t["fp32"] - t["floor"], 1e-9)}
+                     "ratio_above_floor": (t["int8"] - t["floor"]) / max(t["fp32"] - t["floor"], 1e-9),
+                     "after_other": {"ms": after_other[b]["int8"], "fp32_ms": after_other[b]["fp32"],
+                                     "ratio": after_other[b]["int8"] / after_other[b]["fp32"]}}
                  for b, t in times.items()}
     return {"per_batch": per_batch, "cpu": cpu_name(), "session_options": dict(SESSION_OPTIONS),
             "load": _load(),
-            "method": f"median CPU time (time.process_time) of {repeats} interleaved calls (the file, the fp32 file "
-                      "and an Identity floor on the same inputs, the order rotated each round), onnxruntime session "
-                      "options "
+            "method": f"median CPU time (time.process_time) per call of back-to-back calls: {repeats} rounds, each "
+                      "running the file, the fp32 file and an Identity floor on the same inputs in turn (the order "
+                      f"rotated each round), {LATENCY_BURST} calls each, all but the first timed as back to back "
+                      "(after_other: the first, just after another file's); onnxruntime session options "
                       f"{', '.join(f'{k}={v}' for k, v in SESSION_OPTIONS.items())}, in a Python that never imported "
                       "intqat"}
 

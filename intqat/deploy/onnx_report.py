@@ -119,7 +119,9 @@ class OnnxResult:
         for b, t in self.latency.get("per_batch", {}).items():
             floor = (f"; floor (an Identity file, same inputs) {t['floor_ms']:.4f} ms, above it "
                      f"{t['ratio_above_floor']:.3f}x") if "floor_ms" in t else ""
-            lines.append(f"- batch {b}: {t['ms']:.4f} ms, fp32 ONNX {t['fp32_ms']:.4f} ms ({t['ratio']:.3f}x){floor}")
+            after = (f"; just after another file's call {t['after_other']['ms']:.4f} vs {t['after_other']['fp32_ms']:.4f} "
+                     f"ms ({t['after_other']['ratio']:.3f}x)") if t.get("after_other") else ""
+            lines.append(f"- batch {b}: {t['ms']:.4f} ms, fp32 ONNX {t['fp32_ms']:.4f} ms ({t['ratio']:.3f}x){floor}{after}")
         if self.latency:
             lines.append(f"- latency: {self.latency['method']}; CPU {self.latency['cpu']}"
                          + (f"; load {self.latency['load']}" if "load" in self.latency else ""))

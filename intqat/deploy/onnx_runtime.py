@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from intqat.deploy.runtime import LATENCY_BURST
+
 __all__ = ["session", "run_session", "compare", "onnx_latency", "floor_model", "ort_graph", "SESSION_OPTIONS",
            "INTEGER_KERNELS", "FLOAT_GEMMS"]
 
@@ -178,30 +180,39 @@ for batch, path in spec["inputs"].items():
     arrays = np.load(path)
     inputs = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
     feeds = {name: {i.name: a for i, a in zip(s.get_inputs(), inputs)} for name, s in sessions.items()}
-    times = {name: [] for name in sessions}
+    after_other = {name: [] for name in sessions}  # the first call of each burst: another file ran just before it
+    back_to_back = {name: [] for name in sessions}  # the burst's other calls: the file ran just before itself
     for _ in range(spec["warmup"]):
         for name, s in sessions.items():
             s.run(None, feeds[name])
     names = list(sessions)
     for r in range(spec["repeats"]):
-        # the order rotates each round: a call's time depends on what ran just before it (the caches it left)
+        # the order rotates each round: a burst's first call depends on what ran just before it (the caches it left)
         for name in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.process_time()
-            sessions[name].run(None, feeds[name])
-            times[name].append((time.process_time() - t0) * 1e3)
-    result[batch] = {name: statistics.median(t) for name, t in times.items()}
+            for i in range(spec["burst"]):
+                t0 = time.process_time()
+                sessions[name].run(None, feeds[name])
+                (back_to_back if i else after_other)[name].append((time.process_time() - t0) * 1e3)
+    result[batch] = {"back_to_back": {n: statistics.median(back_to_back[n] or after_other[n]) for n in names},
+                     "after_other": {n: statistics.median(after_other[n]) for n in names}}
 assert not any(m == "intqat" or m.startswith("intqat.") for m in sys.modules)
 print(json.dumps(result))
 """
 
 
 def onnx_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
-                 warmup: int = 5, floor: bool = True) -> dict[int, dict[str, float]]:
-    """Median CPU ms per call of each ONNX file (name -> path) for each batch's inputs: one call of each per round
-    (interleaved, the order rotated each round), time.process_time (this process only: on a shared machine the
-    ratio holds), SESSION_OPTIONS (one onnxruntime thread), in a fresh Python that never imports intqat. floor: also
-    the floor_model of the inputs, interleaved with the files, under the name "floor" (onnxruntime's fixed cost per
-    call)."""
+                 warmup: int = 5, floor: bool = True, burst: int = LATENCY_BURST,
+                 after_other: dict | None = None) -> dict[int, dict[str, float]]:
+    """Median CPU ms per call of each ONNX file (name -> path) for each batch's inputs, {batch: {name: ms}}, called
+    back to back as a deployer's process calls its one model: each round runs every file in turn (the order
+    rotated each round), `burst` calls each, and the burst's calls after its first are the figure. The first
+    calls, each made just after another file's (what per-call interleaving measured before 2026-11-28: the caches
+    and onnxruntime's per-session state another model left), go into `after_other` ({batch: {name: ms}}) when a
+    dict is given. time.process_time (this process only: on a shared machine the ratio holds), SESSION_OPTIONS
+    (one onnxruntime thread), in a fresh Python that never imports intqat. floor: also the floor_model of the
+    inputs, timed the same way, under the name "floor" (onnxruntime's fixed cost per call)."""
+    if burst < 1:
+        raise ValueError(f"onnx_latency: burst must be >= 1 (calls per file and round), got {burst}")
     import numpy as np
 
     if floor and "floor" in files:
@@ -216,10 +227,13 @@ def onnx_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], 
             paths[str(batch)] = os.path.join(tmp, f"inputs_{batch}.npz")
             np.savez(paths[str(batch)], *[a.detach().contiguous().numpy() for a in args if isinstance(a, Tensor)])
         spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup,
-                "options": SESSION_OPTIONS}
+                "burst": burst, "options": SESSION_OPTIONS}
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-c", _TIMING_SCRIPT, json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"timing the ONNX files failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    return {int(b): t for b, t in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if after_other is not None:
+        after_other.update({int(b): t["after_other"] for b, t in measured.items()})
+    return {int(b): t["back_to_back"] for b, t in measured.items()}

@@ -7,7 +7,9 @@ Xeon AMX, executorch 1.5.1: ~4.5 µs of the ~5.2 µs an `x + 1` .pte takes per c
 the runtime from C++ does not. For the digits MLP that is most of the call.
 
     cpp_runner()                  the built binary's path, or raise CppRunnerUnavailable with the reason
-    cpp_latency(files, inputs, repeats, warmup)   {batch: {name: median CPU ms}}, as runtime.pte_latency
+    cpp_latency(files, inputs, repeats, warmup, burst, after_other)   {batch: {name: median CPU ms}}, as
+                                  runtime.pte_latency (back to back; the calls just after another file's in
+                                  after_other)
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from intqat.deploy.runtime import LATENCY_BURST
 
 __all__ = ["CppRunnerUnavailable", "cpp_runner", "cpp_latency"]
 
@@ -82,12 +86,17 @@ def cpp_runner() -> Path:
 
 
 def cpp_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
-                warmup: int = 3) -> dict[int, dict[str, float]]:
-    """Median CPU ms per call of each .pte (name -> file) for each batch's inputs, interleaved, one XNNPACK thread,
-    in ExecuTorch's C++ runtime (module docstring). Raises CppRunnerUnavailable with the reason."""
+                warmup: int = 3, burst: int = LATENCY_BURST,
+                after_other: dict | None = None) -> dict[int, dict[str, float]]:
+    """Median CPU ms per call of each .pte (name -> file) for each batch's inputs, back to back (runtime.pte_latency's
+    rounds and bursts; the first call of each burst, just after another file's, in `after_other` when a dict is
+    given), one XNNPACK thread, in ExecuTorch's C++ runtime (module docstring). Raises CppRunnerUnavailable with
+    the reason."""
+    if burst < 1:
+        raise ValueError(f"cpp_latency: burst must be >= 1 (calls per file and round), got {burst}")
     runner = cpp_runner()
     with tempfile.TemporaryDirectory(prefix="intqat-pte-cpp-") as tmp:
-        lines = [f"repeats {repeats}", f"warmup {warmup}"]
+        lines = [f"repeats {repeats}", f"warmup {warmup}", f"burst {burst}"]
         lines += [f"pte {name} {Path(path).resolve()}" for name, path in files.items()]
         for batch, args in inputs.items():
             for i, a in enumerate(args):
@@ -103,4 +112,7 @@ def cpp_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], r
     if done.returncode != 0:
         err = [ln for ln in done.stderr.splitlines() if not ln.startswith("I ")]
         raise RuntimeError(f"the C++ .pte timer failed (exit {done.returncode}): {' '.join(err)[-1500:]}")
-    return {int(b): t for b, t in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if after_other is not None:
+        after_other.update({int(b): t["after_other"] for b, t in measured.items()})
+    return {int(b): t["back_to_back"] for b, t in measured.items()}

@@ -59,6 +59,8 @@ def run_pte(method, args: tuple, max_batch: int) -> list[Tensor]:
     return [torch.cat([o[i] for o in outs]) for i in range(len(outs[0]))]
 
 
+LATENCY_BURST = 4  # calls of one file in a row per round: the first after another file's, the rest back to back
+
 # Timed in a fresh Python that never imports intqat: the .pte files as a deployer loads them, and one XNNPACK thread
 # set before any program is loaded. (_unsafe_reset_threadpool frees the pool that already-loaded XNNPACK delegates
 # point to: resetting it in a process holding loaded programs made their next call deadlock, seen here.)
@@ -76,25 +78,35 @@ methods = {name: p.load_method("forward") for name, p in programs.items()}
 result = {}
 for batch, path in spec["inputs"].items():
     inputs = list(torch.load(path))
-    times = {name: [] for name in methods}
+    after_other = {name: [] for name in methods}  # the first call of each burst: another file ran just before it
+    back_to_back = {name: [] for name in methods}  # the burst's other calls: the file ran just before itself
     for _ in range(spec["warmup"]):
         for m in methods.values():
             m.execute(inputs)
-    for _ in range(spec["repeats"]):
-        for name, m in methods.items():
-            t0 = time.process_time()
-            m.execute(inputs)
-            times[name].append((time.process_time() - t0) * 1e3)
-    result[batch] = {name: statistics.median(t) for name, t in times.items()}
+    names = list(methods)
+    for r in range(spec["repeats"]):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # (the order rotates each round)
+            for i in range(spec["burst"]):
+                t0 = time.process_time()
+                methods[name].execute(inputs)
+                (back_to_back if i else after_other)[name].append((time.process_time() - t0) * 1e3)
+    result[batch] = {"back_to_back": {n: statistics.median(back_to_back[n] or after_other[n]) for n in names},
+                     "after_other": {n: statistics.median(after_other[n]) for n in names}}
 print(json.dumps(result))
 """
 
 
 def pte_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], repeats: int = 30,
-                warmup: int = 3) -> dict[int, dict[str, float]]:
-    """Median CPU ms per call of each .pte (name -> file) for each batch's inputs, one call of each per round
-    (interleaved), time.process_time (counts this process only: on a shared machine the ratio holds), one XNNPACK
-    thread, in a fresh Python that never imports intqat."""
+                warmup: int = 3, burst: int = LATENCY_BURST,
+                after_other: dict | None = None) -> dict[int, dict[str, float]]:
+    """Median CPU ms per call of each .pte (name -> file) for each batch's inputs, {batch: {name: ms}}, called back
+    to back as a deployer's process calls its one model: each round runs every file in turn (the order rotated
+    each round), `burst` calls each, and the burst's calls after its first are the figure; the first calls (just
+    after another file's) go into `after_other` ({batch: {name: ms}}) when a dict is given. time.process_time
+    (counts this process only: on a shared machine the ratio holds), one XNNPACK thread, in a fresh Python that
+    never imports intqat."""
+    if burst < 1:
+        raise ValueError(f"pte_latency: burst must be >= 1 (calls per file and round), got {burst}")
     import subprocess
     import sys
 
@@ -103,14 +115,17 @@ def pte_latency(files: dict[str, str | os.PathLike], inputs: dict[int, tuple], r
         for batch, args in inputs.items():
             paths[str(batch)] = os.path.join(tmp, f"inputs_{batch}.pt")
             torch.save(tuple(args), paths[str(batch)])
-        spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup}
+        spec = {"files": {k: str(v) for k, v in files.items()}, "inputs": paths, "repeats": repeats, "warmup": warmup,
+                "burst": burst}
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run([sys.executable, "-c", _TIMING_SCRIPT, json.dumps(spec)], capture_output=True,
                               text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"timing the .pte files failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}")
-    last = done.stdout.strip().splitlines()[-1]
-    return {int(b): t for b, t in json.loads(last).items()}
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    if after_other is not None:
+        after_other.update({int(b): t["after_other"] for b, t in measured.items()})
+    return {int(b): t["back_to_back"] for b, t in measured.items()}
 
 
 
