@@ -36,7 +36,7 @@ from intqat.ops import cbuild, cpu_kernels
 from intqat.ops.qparams import SCALE_EPS
 
 __all__ = ["available", "unavailable_reason", "disabled", "disabled_depth", "run_linear", "run_conv",
-           "observe_minmax_", "observed_linear_op", "OBSERVE_NOTHING",
+           "observe_minmax_", "observed_linear_op", "grouped_op", "OBSERVE_NOTHING",
            "OBSERVE_CHECK", "OBSERVE_UPDATE", "LINEAR_GEMMS", "CONV_ONEDNN", "run_grouped"]
 
 _lock = threading.Lock()
@@ -172,6 +172,12 @@ def observe_minmax_(x: Tensor, min_val: Tensor, max_val: Tensor, scale: Tensor, 
         _observe_op = torch.ops.intqat_train.observe_minmax_.default
     return _observe_op(x, min_val, max_val, scale, zero_point, initialized, first, moving_average,
                        averaging_constant, qmin, qmax, symmetric, SCALE_EPS)
+
+
+def grouped_op():
+    """intqat_train::int_linear_grouped (kernels/cpu/train_grouped.cpp), for intqat.nn.eager_step.grouped_step, which
+    calls it directly with the arguments run_grouped passes (its hot path). Call only when `available()`."""
+    return torch.ops.intqat_train.int_linear_grouped.default
 
 
 def observed_linear_op():
