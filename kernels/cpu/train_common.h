@@ -85,10 +85,11 @@ inline void grad_weight_and_bias(torch::autograd::AutogradContext *ctx, const at
     const at::Tensor &q_x = saved[0], &bits_w = saved[3], &s_x = saved[4];
     const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
     if (ctx->needs_input_grad(1)) {
-        at::Tensor s = s_x.reshape({-1});
+        // s_x (M, 1) or (1, 1) as it is: both read it through its data (a reshape to (-1,) would be one more
+        // dispatched op per step)
         at::Tensor gw = ctx->saved_data["digits_w"].toBool()
-                            ? digit_matmul(g.t(), s, q_x, z)
-                            : at::mm(g.t(), dequantized("x_hat", q_x, s, z, /*per_row=*/s.numel() > 1));
+                            ? digit_matmul(g.t(), s_x, q_x, z)
+                            : at::mm(g.t(), dequantized("x_hat", q_x, s_x, z, /*per_row=*/s_x.numel() > 1));
         mask_zero_bits_(gw, bits_w);
         out[1] = gw;
     }

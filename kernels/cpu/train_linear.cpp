@@ -75,7 +75,19 @@ using intqat::train::packed;
 template <typename T>
 T *ptr(const at::Tensor &t) { return t.defined() ? t.data_ptr<T>() : nullptr; }
 
-at::Tensor fp32_contiguous(const at::Tensor &t) { return t.to(at::kFloat).contiguous(); }
+/* t's values as a contiguous fp32 tensor, to read through its data: t itself where it is one already (a layer's
+ * weight and bias at every step: detach, to and contiguous are three dispatched ops, ~2 us a call), else a copy */
+at::Tensor fp32_contiguous(const at::Tensor &t) {
+    if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t;
+    return t.detach().to(at::kFloat).contiguous();
+}
+
+/* a (1, 1) fp32 tensor holding v: at::full's value without its fill_ (a dispatched op) */
+at::Tensor one_scale(double v) {
+    at::Tensor t = at::empty({1, 1}, at::TensorOptions().dtype(at::kFloat));
+    *t.data_ptr<float>() = (float)v;
+    return t;
+}
 
 }  // namespace
 
@@ -100,7 +112,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         at::Tensor q_x, s_x, bits_x;
         if (!x_dynamic && x.numel() && intqat::train::quantize_bits_available()) {  // codes and bits in one pass
             q_x = at::empty({M, K}, i8);
-            s_x = at::full({1, 1}, x_scale, f32);
+            s_x = one_scale(x_scale);
             bits_x = at::empty({(M * K + 7) / 8}, at::TensorOptions().dtype(at::kByte));
             intqat::train::quantize_bits(ptr<float>(x), M * K, *ptr<float>(s_x), (float)z, (float)x_qmin,
                                          (float)x_qmax, ptr<int8_t>(q_x), ptr<uint8_t>(bits_x));
@@ -109,7 +121,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
                                                                             eps);
         }
         // weights: symmetric per channel; a min-max scale (w_scale None) never clips
-        at::Tensor w = fp32_contiguous(weight.detach());
+        const at::Tensor w = fp32_contiguous(weight);  // (read only: its data)
         at::Tensor q_w = at::empty({N, K}, i8), s_w, bits_w = intqat::train::no_bits();
         at::Tensor colsum = x_dynamic ? at::Tensor() : at::empty({N}, i32);
         if (w_scale.has_value() && w_scale->defined()) {
@@ -129,7 +141,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         // the int32 GEMM and the epilogue
         at::Tensor y = at::empty({M, N}, f32);
         if (M && N) {
-            at::Tensor b = bias.has_value() && bias->defined() ? fp32_contiguous(bias->detach()) : at::Tensor();
+            const at::Tensor b = bias.has_value() && bias->defined() ? fp32_contiguous(*bias) : at::Tensor();
             const int32_t *cs = x_dynamic ? nullptr : ptr<int32_t>(colsum);
             if (gemm == INT16) {  // GEMM and epilogue in one pass (cpu_kernels.int16_linear: same packs)
                 const int64_t kp = K + (K & 1);
@@ -170,7 +182,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         variable_list out(16);  // one per forward input; only x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
-        g = g.to(at::kFloat);
+        if (g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
         auto saved = ctx->get_saved_variables();
         const at::Tensor &q_w = saved[2], &bits_x = saved[1], &s_w = saved[5];
         if (ctx->needs_input_grad(0)) {
