@@ -2,6 +2,7 @@
 kernels/cpu/train_grouped.cpp) gives the Python path's bits and the reference's: output and the three gradients
 compared with torch.equal, forward and backward; where it does not run, `explain` says why."""
 
+import contextlib
 import copy
 import importlib
 import os
@@ -65,6 +66,51 @@ def test_grouped_step_equals_python_path_and_reference(case):
         assert torch.equal(a, r), ("reference", name)
 
 
+AVX2_REASON = cpp_step.unavailable_reason() or backends.unavailable("avx2_int16")
+needs_avx2 = pytest.mark.skipif(AVX2_REASON is not None, reason=f"the C++ step on avx2_int16: {AVX2_REASON}")
+AVX2_CASES = CASES + [  # group sizes the VNNI kernel never takes (even, not a multiple of 4) and one past 16 pairs
+    (6, 48, 20, 6, True, True),
+    (3, 32, 17, 2, False, False),
+    (13, 96, 50, 24, False, True),
+]
+
+
+@needs_avx2
+@pytest.mark.parametrize("case", AVX2_CASES, ids=lambda c: "x".join(map(str, c[:4])) + ("-dyn" if c[4] else "-static")
+                         + ("-scale" if c[5] else "-minmax"))
+def test_grouped_step_on_avx2_int16_equals_python_path_and_reference(case):
+    """CPUs without int8 dot products (AVX2 only: Zen 2 / 3): the table runs linear_grouped on avx2_int16, so the op's
+    forward is int16_gemm.c's vpmaddwd kernel, its backward both fp32 GEMMs. Forced here (any AVX2 CPU runs that
+    kernel); the op's weight pass is the two-pass one AVX2-only builds run. Integer outputs and gradients the bits."""
+    M, K, N, gs, dyn, given = case
+    x, w, b, ws = _inputs(M, K, N, gs, given, seed=M + K)
+    kw = dict(group_size=gs, x_dynamic=dyn)
+    if not dyn:
+        kw.update(x_qmin=-128, x_qmax=127)
+    with backends.use_backend("avx2_int16"), backends.recording() as ran:
+        got = _step(x, w, b, ws, **kw)
+    assert ran[("grouped_step", "cpp_step")] == 1 and ran[("linear_grouped", "avx2_int16")] == 1, dict(ran)
+    with backends.use_backend("avx2_int16"), cpp_step.disabled(), backends.recording() as ran_py:
+        python = _step(x, w, b, ws, **kw)
+    assert ran_py[("grouped_step", "reference")] == 1 and ran_py[("linear_grouped", "avx2_int16")] == 1, dict(ran_py)
+    # the backward's GEMMs as the Python path runs them: fp32 (an AVX2-only CPU never takes the digit GEMM; forcing
+    # avx2_int16 on an int8-dot CPU leaves digit_matmul to its table, whose rule both paths follow)
+    assert ran[("digit_matmul", "cpu_fused")] == ran_py[("digit_matmul", "cpu_fused")], (dict(ran), dict(ran_py))
+    with backends.use_backend("reference"):
+        ref = _step(x, w, b, ws, **kw)
+    for name, a, p, r in zip(("y", "grad_x", "grad_w", "grad_b"), got, python, ref):
+        assert torch.equal(a.view(torch.int32), p.view(torch.int32)), ("python path", name)
+        assert torch.equal(a, r), ("reference", name)
+
+
+@needs_avx2
+def test_grouped_step_on_avx2_int16_refuses_an_odd_group_size():
+    spec = grouped_mod.GroupedStep(grouped_mod.GroupedSpec(3, -127, 127, -7, 7, True, True), False, False, True, True)
+    with backends.use_backend("avx2_int16"):
+        text = backends.explain("grouped_step", shape=(8, 48, 16), spec=spec, file=open(os.devnull, "w"))
+    assert "even group size" in text and "reference   RUNS IT" in text
+
+
 @needs_cpp
 def test_grouped_step_digit_backward_equals_python_path(monkeypatch):
     """grad_w as a digit GEMM on torch._int_mm (the C++ op's digit_matmul.h, shared with train_linear.cpp) against
@@ -101,8 +147,7 @@ def test_grouped_step_refusals_are_explained():
     assert "learned (LSQ)" in text
 
 
-@needs_cpp
-def test_llama_block_trains_the_same_with_the_cpp_step():
+def _llama_block_trains_the_same_with_the_cpp_step(forced, kernel):
     """A small Llama block under 8da4w, three Adam steps: every parameter equal with and without the C++ ops."""
     from intqat.bench.blocks import make_llama_block
 
@@ -116,13 +161,27 @@ def test_llama_block_trains_the_same_with_the_cpp_step():
         intqat.prepare_qat(m, "8da4w")
         intqat.to_integer(m)
         opt = torch.optim.Adam(m.parameters(), lr=1e-3)
-        with (backends.recording() if cpp else cpp_step.disabled()) as ran:
+        with (backends.use_backend(forced) if forced else contextlib.nullcontext()), \
+                (backends.recording() if cpp else cpp_step.disabled()) as ran:
             for _ in range(3):
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(m(x), y).backward()
                 opt.step()
         if cpp:
             assert ran[("grouped_step", "cpp_step")] == 24, dict(ran)  # the block's seven layers and the head, 3 steps
+            if kernel is not None:
+                assert ran[("linear_grouped", kernel)] == 24, dict(ran)
         models.append(m)
     for (name, p), (_, q) in zip(models[0].named_parameters(), models[1].named_parameters()):
         assert torch.equal(p, q), name
+
+
+@needs_cpp
+def test_llama_block_trains_the_same_with_the_cpp_step():
+    _llama_block_trains_the_same_with_the_cpp_step(None, None)
+
+
+@needs_avx2
+def test_llama_block_trains_the_same_with_the_cpp_step_on_avx2_int16():
+    """The same on the no-int8-dot class's forward kernel (forced), fp32 backward GEMMs both ways."""
+    _llama_block_trains_the_same_with_the_cpp_step("avx2_int16", "avx2_int16")

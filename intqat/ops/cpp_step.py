@@ -153,7 +153,7 @@ def run_grouped(digits_w: bool, x2d: Tensor, weight: Tensor, bias: Tensor | None
                 x_dynamic: bool, w_clip_mask: bool, gemm: int = 0) -> Tensor:
     """y (M, N) through intqat_train::int_linear_grouped (kernels/cpu/train_grouped.cpp); x2d (M, K) fp32 row-major.
     digits_w: grad_w as a digit GEMM (digit_gemm.py); gemm: LINEAR_GEMMS' code of the per-group forward kernel
-    (cpu_fused: VNNI, amx: tiles)."""
+    (cpu_fused: VNNI, avx2_int16: vpmaddwd, amx: tiles)."""
     global _grouped_op
     if _grouped_op is None:
         _grouped_op = torch.ops.intqat_train.int_linear_grouped.default

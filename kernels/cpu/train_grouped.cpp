@@ -6,16 +6,17 @@
  * them): a Llama block's seven per-group layers paid ~0.15 ms each per step in interpreter and dispatch, on
  * layers whose GEMMs take a few tens of microseconds at small batch.
  *
- * Same bits as the Python path (intqat/ops/int_linear_grouped.py with backend cpu_fused), step for step: the
- * passes and the per-group VNNI kernel are the fused C library's (fused.c, grouped_linear.c: linked by path), the
- * backward GEMMs the same aten calls on the same layouts (digit_matmul.h). tests/test_grouped_cpp_step.py
- * compares outputs and gradients bit for bit.
+ * Same bits as the Python path (intqat/ops/int_linear_grouped.py with backend cpu_fused, avx2_int16 or amx), step
+ * for step: the passes and the per-group kernels are the fused C library's (fused.c, grouped_linear.c,
+ * int16_gemm.c, amx_grouped.c: linked by path), the backward GEMMs the same aten calls on the same layouts
+ * (digit_matmul.h). tests/test_grouped_cpp_step.py compares outputs and gradients bit for bit.
  *
  * Forward, x (M, K) fp32 contiguous, W (N, K), G = K / gs groups:
  *     q_x, s_x = quantize(x)                  dynamic per-token (z = 0), or static per-tensor with its clip mask
  *     q_w, s_w = quantize(W[n, group g], s_w[n, g], 0)   w_scale given (clip mask kept), or min-max per (n, g)
- *     y[m, n] = (sum_g float32(acc_g[m, n]) * s_w[n, g]) * s_x[m] + b[n]   grouped_linear.c's VNNI kernel, or
- *                                                                           amx_grouped.c's tile kernel (gemm)
+ *     y[m, n] = (sum_g float32(acc_g[m, n]) * s_w[n, g]) * s_x[m] + b[n]   grouped_linear.c's VNNI kernel,
+ *                                                   amx_grouped.c's tile kernel or, on CPUs without int8 dot
+ *                                                   products, int16_gemm.c's vpmaddwd kernel (gemm)
  * Backward (straight-through):
  *     grad_x = mask_x * (g @ w_hat),  w_hat[n, k] = q_w[n, k] s_w[n, g(k)]
  *     grad_w = mask_w * (gᵀ @ ((q_x - z) s_x))    or that GEMM as digits (digits_w: digit_gemm.py)
@@ -42,12 +43,17 @@ void intqat_grouped_quantize_pack(const float *w, int64_t N, int64_t K, int64_t 
                                   float eps, int8_t *q_w, float *s_w, int8_t *bp, int32_t *cs, float *swt,
                                   int64_t Np);
 void intqat_grouped_dequantize(const int8_t *q_w, int64_t N, int64_t K, int64_t gs, const float *s_w, float *w_hat);
+// int16_gemm.c (the avx2_int16 backend's per-group forward; taken only where cpu_kernels.int16_gemm_available())
+void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
+                                 int64_t gs, int32_t z, const float *swt, int64_t Np, const float *s_x,
+                                 int64_t sx_stride, const float *bias, int16_t *ap, int16_t *bp, float *y);
 }
 
 /* The forward kernel, as intqat/ops/cpp_step.py's LINEAR_GEMMS names the backend the table runs linear_grouped on */
 enum GroupedGemm : int64_t {
     VNNI = 0 /* cpu_fused: grouped_linear.c */,
-    AMX = 2 /* amx: amx_grouped.c, the same packed operands */
+    INT16 = 1 /* avx2_int16: int16_gemm.c's vpmaddwd kernel (CPUs without int8 dot products), codes unpacked */,
+    AMX = 2 /* amx: amx_grouped.c, the same packed operands as VNNI */
 };
 
 namespace {
@@ -81,9 +87,25 @@ constexpr const char *HAT = "grouped_hat";
 /* The whole-row min-max pass (grouped_linear.c) where this build has it: codes, scales and the packed operands in one */
 bool quantize_pack_in_one(int64_t gs) { return gs % 16 == 0 && intqat_grouped_quantize_available(); }
 
-/* y (M, N) through the per-group VNNI or AMX kernel (gemm): cpu_kernels.grouped_linear(fp32_codes=False, amx=...),
- * the same packs. p: the packed weight, already filled by the whole-row pass, or (filled = false) packed here
- * from q_w, s_w. */
+/* swt (G, Np) = s_wᵀ (s_w (N, G) contiguous), its padded columns zero: what intqat_grouped_pack's caller writes for
+ * the kernels, in one loop (zero_ + narrow + copy_ of the transpose are four dispatched ops). */
+void fill_swt(const at::Tensor &s_w, at::Tensor &swt) {
+    const int64_t N = s_w.size(0), G = s_w.size(1), Np = swt.size(1);
+    const float *s = data_or_null<float>(s_w);
+    float *t = data_or_null<float>(swt);
+    for (int64_t g = 0; g < G; ++g) {
+        for (int64_t n = 0; n < N; ++n) t[g * Np + n] = s[n * G + g];
+        for (int64_t n = N; n < Np; ++n) t[g * Np + n] = 0.0f;
+    }
+}
+
+/* y (M, N) through the per-group kernel the table runs linear_grouped on (gemm):
+ *   VNNI / AMX: cpu_kernels.grouped_linear(fp32_codes=False, amx=...), the same packs. p: the packed weight, already
+ *     filled by the whole-row pass, or (filled = false) packed here from q_w, s_w.
+ *   INT16: cpu_kernels.int16_linear_grouped (avx2_int16's linear_grouped): the kernel widens and packs the codes
+ *     itself (ap: M rounded up to 12 rows of K int16, bp: N rounded up to 16 columns of K int16, both scratch as the
+ *     Python side's); of p it reads swt only (Np: N rounded up to 32 here, 16 there: the kernel takes Np as swt's
+ *     row stride and reads columns below N rounded up to 16). Needs an even group size. */
 at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const at::Tensor &s_w, int32_t z,
                            const at::Tensor &s_x, const at::Tensor &bias, int64_t gs, Packed &p, bool filled,
                            int64_t gemm) {
@@ -91,11 +113,20 @@ at::Tensor grouped_forward(const at::Tensor &q_x, const at::Tensor &q_w, const a
     at::Tensor y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
     if (M == 0 || N == 0) return y;
     const int64_t Np = p.cs.size(1);
+    if (gemm == INT16) {
+        fill_swt(s_w, p.swt);
+        at::Tensor ap = scratch("int16_a", {(M + 11) / 12 * 12 * K}, at::kShort);
+        at::Tensor bp = scratch("int16_b", {(N + 15) / 16 * 16 * K}, at::kShort);
+        intqat_int16_linear_grouped(data_or_null<int8_t>(q_x), M, K, data_or_null<int8_t>(q_w), N, gs, z,
+                                    data_or_null<float>(p.swt), Np, data_or_null<float>(s_x),
+                                    s_x.numel() == 1 ? 0 : 1, data_or_null<float>(bias), data_or_null<int16_t>(ap),
+                                    data_or_null<int16_t>(bp), data_or_null<float>(y));
+        return y;
+    }
     if (!filled) {
         intqat_grouped_pack(data_or_null<int8_t>(q_w), N, K, K, gs, Np, data_or_null<int8_t>(p.bp),
                             data_or_null<int32_t>(p.cs));
-        p.swt.zero_();
-        p.swt.narrow(1, 0, N).copy_(s_w.t());
+        fill_swt(s_w, p.swt);
     }
     (gemm == AMX ? intqat_amx_grouped_linear : intqat_grouped_linear_vnni)(
         data_or_null<int8_t>(q_x), M, K, K, data_or_null<int8_t>(p.bp), data_or_null<int32_t>(p.cs),
@@ -114,13 +145,17 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
                               double x_scale, int64_t x_zero_point, int64_t group_size, int64_t x_qmin, int64_t x_qmax,
                               int64_t w_qmin, int64_t w_qmax, bool x_dynamic, bool w_clip_mask, int64_t gemm,
                               bool digits_w, double eps) {
-        TORCH_CHECK(gemm == VNNI || gemm == AMX, "intqat_train::int_linear_grouped: unknown forward kernel ", gemm);
+        TORCH_CHECK(gemm == VNNI || gemm == INT16 || gemm == AMX,
+                    "intqat_train::int_linear_grouped: unknown forward kernel ", gemm);
         TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
                     "intqat_train::int_linear_grouped: x must be a contiguous (M, K) float32 tensor, got ", x.sizes());
         const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), gs = group_size, G = K / gs;
         TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K && K % gs == 0,
                     "intqat_train::int_linear_grouped: weight ", weight.sizes(), " and group_size ", gs,
                     " do not fit x ", x.sizes());
+        TORCH_CHECK(gemm != INT16 || gs % 2 == 0,
+                    "intqat_train::int_linear_grouped: the int16 kernel takes whole pairs of k: an even group size, got ",
+                    gs);
         const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar);
         const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
         // activations (int_linear.quantize_activation)
@@ -139,7 +174,9 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
                                                 (float)w_qmin, (float)w_qmax, data_or_null<int8_t>(q_w),
                                                 mask.defined() ? (uint8_t *)mask.data_ptr() : nullptr, nullptr);
             if (mask.defined()) bits_w = packed(mask);
-        } else if (quantize_pack_in_one(gs)) {  // symmetric min-max per group, whole rows: never clips, no mask
+        } else if (gemm != INT16 && quantize_pack_in_one(gs)) {
+            // symmetric min-max per group, whole rows: never clips, no mask. (Not for INT16: it would pack bp for the
+            // VNNI layout the int16 kernel does not read, and AVX2-only builds, that kernel's CPUs, do not have it.)
             s_w = at::empty({N, G}, f32);
             // (the AMX kernel reads the column sums only with a zero point: without one they are not made)
             int32_t *cs = gemm == AMX && z == 0 ? nullptr : data_or_null<int32_t>(p.cs);

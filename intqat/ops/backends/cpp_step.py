@@ -18,8 +18,9 @@ intqat/ops/int_linear.py, int_linear_grouped.py and int_conv2d.py, which registe
     grouped_step(x2d, weight, bias, x_scale, x_zero_point, w_scale, spec, s_x, z_x) -> y (M, N)
         the per-group (8da4w) layer; shape (M, K, N); spec: int_linear_grouped.GroupedStep (`op`, GroupedSpec: group
         size, ranges, x_dynamic, w_clip_mask; and the facts as linear_step's). Its forward runs cpu_fused's per-group
-        VNNI kernel or amx's tile kernel, as the table runs linear_grouped (elsewhere the Python path runs); grad_w
-        as digits where the table's digit GEMM pays.
+        VNNI kernel, avx2_int16's vpmaddwd kernel (CPUs without int8 dot products) or amx's tile kernel, as the table
+        runs linear_grouped (elsewhere the Python path runs); grad_w as digits where the table's digit GEMM pays
+        (never without int8 dot products: there both backward GEMMs are fp32).
     conv_step(x, weight, bias, x_scale, x_zero_point, w_scale, stride, padding, dilation, spec, s_x, z_x)
         -> y (B, O, Ho, Wo); spec: int_conv2d.ConvStep (ranges, x_dynamic, w_clip_mask, groups, learned,
         x_scale_float32, finite, empty, fits_one_fp32_conv, K, gemm_shape, geometry, grad_gemm). Its forward GEMM:
@@ -133,10 +134,13 @@ class CppStep(Backend):
         if not spec.w_scale_given and op.w_qmin != -op.w_qmax:
             return "min-max weight scales on an asymmetric range: the Python path computes that scale"
         b = self.table.runs("linear_grouped", shape)
-        if b not in ("cpu_fused", "amx"):
+        if b not in ("cpu_fused", "avx2_int16", "amx"):
             return (f"the table runs linear_grouped on {b}{self.table.forced_note()}: the op calls cpu_fused's "
-                    "per-group VNNI kernel or amx's tile kernel")
-        if not cpu_kernels.grouped_vnni_available() or op.group_size % 4:
+                    "per-group VNNI kernel, avx2_int16's vpmaddwd kernel or amx's tile kernel")
+        if b == "avx2_int16":  # (avx2_int16 refuses an odd group size only when given the tensors, not a shape)
+            if not cpu_kernels.int16_gemm_available() or op.group_size % 2:
+                return "the per-group vpmaddwd kernel needs AVX2 in the build and an even group size"
+        elif not cpu_kernels.grouped_vnni_available() or op.group_size % 4:
             return "the per-group VNNI kernel needs AVX512-VNNI in the build and a group size that is a multiple of 4"
         digits_w = self.table.fast("digit_matmul", shape, "w")
         x_mask, w_mask = not op.x_dynamic, op.w_clip_mask and spec.w_scale_given
