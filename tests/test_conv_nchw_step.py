@@ -182,3 +182,132 @@ def test_cached_eager_step_trains_like_int_conv2d(layout, monkeypatch):
     bn = m[0].bn
     eager = conv_mod._fold_scale(bn, bn.weight)
     assert torch.equal(eager, bn.weight * conv_mod._bn_inv_std(bn.running_var, bn.eps))
+
+
+def _scale_case_weights(O=24, C=7, k=3, seed=0):
+    """Weights whose rows' max |w| / qmax take many float32 values: random magnitudes over 60 binades, an all-zero row
+    and a row of subnormals (both floored at SCALE_EPS), a row at 1e30, negative maxima."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(O, C, k, k, generator=gen) * torch.exp2(torch.randint(-30, 30, (O, 1, 1, 1), generator=gen).float())
+    w[0] = 0.0
+    w[1] = torch.randn(C, k, k, generator=gen) * 1e-40
+    w[2, 0, 0, 0] = -1e30
+    w[3] = -w[3].abs()
+    return w
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_own_minmax_scale_is_minmax_weight_scale(seed):
+    """The op without w_scale computes the min-max scale per channel itself (conv_step's path): y and every gradient
+    equal the op given minmax_weight_scale(w), bit for bit (one ulp of a scale would move y)."""
+    from intqat.ops.int_linear import minmax_weight_scale
+    from intqat.ops.qparams import SCALE_EPS
+
+    op = torch.ops.intqat_train.int_conv2d.default
+    gen = torch.Generator().manual_seed(100 + seed)
+    w0 = _scale_case_weights(seed=seed)
+    x0 = torch.randn(2, 7, 9, 9, generator=gen) * 2
+    g = torch.randn(2, 24, 9, 9, generator=gen)
+    outs = []
+    for own in (True, False):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        s_w = None if own else minmax_weight_scale(w, 127)
+        y = op(x, w, None, s_w, S_X, -4, [1, 1], [1, 1], [1, 1], 1, -128, 127, -127, 127, False, 0, False, False, False,
+               SCALE_EPS)
+        y.backward(g)
+        outs.append((y.detach(), x.grad, w.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="w_eps"):  # no scale and no floor: refused, not a silent zero floor
+        op(x0, w0, None, None, S_X, -4, [1, 1], [1, 1], [1, 1], 1, -128, 127, -127, 127, False, 0, False, False, False)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("k", [3, 1])
+@pytest.mark.parametrize("frozen", ["none", "gamma", "weight"])
+def test_bn_fold_op_is_the_python_fold(affine, bias, k, frozen):
+    """intqat_train::bn_fold (IntConv2d._folded_eager) gives folded()'s w_fold, b_fold and the gradients of W, b,
+    gamma, beta bit for bit, with and without affine BN / conv bias, for 1x1 kernels (sum_to over one dim), and with
+    gamma or W frozen (those gradients not asked)."""
+    from intqat.nn.conv import IntConv2d
+
+    gen = torch.Generator().manual_seed(k + 2 * affine + 4 * bias)
+    conv, bn = nn.Conv2d(6, 10, k, bias=bias), nn.BatchNorm2d(10, affine=affine)
+    with torch.no_grad():
+        bn.running_mean.copy_(torch.randn(10, generator=gen))
+        bn.running_var.copy_(torch.rand(10, generator=gen) * 3 + 1e-3)
+        if affine:
+            bn.weight.copy_(torch.randn(10, generator=gen))
+            bn.bias.copy_(torch.randn(10, generator=gen))
+    if frozen == "gamma" and affine:
+        bn.weight.requires_grad_(False)
+    if frozen == "weight":
+        conv.weight.requires_grad_(False)
+    m = IntConv2d.from_fake_quant(intqat.nn.FakeQuantConv2d.from_conv(conv, "w8a8", bn=bn))
+    g_w = torch.randn(10, 6, k, k, generator=gen)
+    g_b = torch.randn(10, generator=gen)
+    params = [p for p in (conv.weight, conv.bias, bn.weight, bn.bias) if p is not None and p.requires_grad]
+    results = []
+    for fold in (m._folded_eager, m.folded):
+        for p in params:
+            p.grad = None
+        w, b = fold()
+        outs = [(t, g) for t, g in ((w, g_w), (b, g_b)) if t.requires_grad]
+        if outs:
+            torch.autograd.backward([t for t, _ in outs], [g for _, g in outs])
+        results.append((w.detach(), b.detach(), [p.grad for p in params]))
+    (w1, b1, grads1), (w2, b2, grads2) = results
+    assert torch.equal(w1, w2) and torch.equal(b1, b2)
+    for a, c in zip(grads1, grads2):
+        assert a is not None and torch.equal(a, c)
+    with cpp_step.disabled():  # the Python fold inside the switch (tests compare both)
+        w3, _ = m._folded_eager()
+    assert w3.grad_fn is None or "BnFold" not in type(w3.grad_fn).__name__
+
+
+def test_bn_fold_op_trains_like_the_python_fold(monkeypatch):
+    """A few SGD steps of the ResNet-ish net: the C++ fold and the Python fold give the same parameters, bit for bit."""
+    from intqat.nn.conv import IntConv2d
+
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 3, 12, 12, generator=gen) for _ in range(3)]
+    targets = [torch.randint(0, 4, (4,), generator=gen) for _ in batches]
+
+    def train(python_fold: bool):
+        torch.manual_seed(0)
+        m = _resnet_ish(torch.contiguous_format)
+        intqat.prepare_qat(m, "w8a8")
+        intqat.calibrate(m, batches[:1])
+        intqat.to_integer(m)
+        m.train()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with monkeypatch.context() as mp:
+            if python_fold:
+                mp.setattr(IntConv2d, "_folded_eager", IntConv2d.folded)
+            for x, y in zip(batches, targets):
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+        return [p.detach().clone() for p in m.parameters()] + [b.clone() for b in m.buffers()]
+
+    for a, b in zip(train(False), train(True)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(conv_onednn.unavailable_reason() is not None, reason="oneDNN's int8 conv unavailable")
+def test_onednn_prepack_unit_scale_as_one_number():
+    """The prepack takes the unit weight scale as one number (train_conv.cpp onednn_one, conv_onednn._one_conv): the
+    same packed weight as the per-channel ones, so the same accumulator, on worst-case and random codes."""
+    gen = torch.Generator().manual_seed(0)
+    for q_w in (torch.full((16, 8, 3, 3), -128, dtype=torch.int8), torch.full((16, 8, 3, 3), 127, dtype=torch.int8),
+                torch.randint(-128, 128, (16, 8, 3, 3), generator=gen, dtype=torch.int8)):
+        u8 = torch.randint(0, 256, (2, 8, 7, 7), generator=gen, dtype=torch.uint8).contiguous(
+            memory_format=torch.channels_last)
+        ones, zeros = torch.ones(16), torch.zeros(16, dtype=torch.int64)
+        outs = []
+        for scale in (ones, torch.ones(())):
+            packed = torch.ops.onednn.qconv_prepack(q_w, scale, 1.0, 131, [1, 1], [1, 1], [1, 1], 1, list(u8.shape))
+            outs.append(torch.ops.onednn.qconv_pointwise(u8, 1.0, 131, packed, ones, zeros, None, [1, 1], [1, 1],
+                                                         [1, 1], 1, 1.0, 0, torch.float32, "none", [], ""))
+        assert torch.equal(outs[0], outs[1])

@@ -75,7 +75,9 @@ def _one_conv(u8: Tensor, zp: int, q_w: Tensor, stride, padding, dilation, group
     O = q_w.shape[0]
     ones = torch.ones(O, dtype=torch.float32)
     zeros = torch.zeros(O, dtype=torch.int64)
-    packed = torch.ops.onednn.qconv_prepack(q_w, ones, 1.0, zp, stride, padding, dilation, groups, list(u8.shape))
+    # the unit weight scale as one number: the prepack reads a per-channel one back channel by channel (O tensor
+    # ops); the reorder at scale 1 is the identity either way (train_conv.cpp onednn_one)
+    packed = torch.ops.onednn.qconv_prepack(q_w, torch.ones(()), 1.0, zp, stride, padding, dilation, groups, list(u8.shape))
     return torch.ops.onednn.qconv_pointwise(u8, 1.0, zp, packed, ones, zeros, None, stride, padding, dilation, groups,
                                             1.0, 0, torch.float32, "none", [], "")
 

@@ -13,7 +13,8 @@
  *
  * Forward, x (B, C, H, W) fp32 (NCHW or channels_last), W (O, C/g, kh, kw):
  *     q_x, mask_x = quantize(x, s_x, z)                 per tensor, in x's layout
- *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel
+ *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel (w_scale None: s_w the min-max scale per
+ *                                                       channel, minmax_channel_scale: IntConv2d's own, 2026-12-07)
  *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels; int_mm on
  *                  torch._int_mm (int8-dot CPUs) or AVX2 vpmaddwd (gemm 1: CPUs without int8 dot products)
  *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
@@ -36,6 +37,7 @@
  * Values that die inside the call (bool masks, u8 codes, the int32 accumulator, x_hat / w_hat) live in per-thread
  * scratch (scratch.h), so a step faults in no fresh pages for them. */
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>  // at::sum_to: autograd's broadcast reduction
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -46,6 +48,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <cmath>
 #include <vector>
 
 #include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
@@ -178,7 +182,15 @@ at::Tensor onednn_one(const at::Tensor &u8, int64_t zp, const at::Tensor &q_w, a
     const int64_t O = q_w.size(0);
     const at::Tensor ones = at::ones({O}, at::TensorOptions().dtype(at::kFloat));
     const at::Tensor zeros = at::zeros({O}, at::TensorOptions().dtype(at::kLong));
-    torch::jit::Stack st{q_w, ones, 1.0, zp, stride.vec(), padding.vec(), dilation.vec(), (int64_t)1, u8.sizes().vec()};
+    /* The prepack takes the unit weight scale as one number (a 0-dim tensor): its per-channel form is read back one
+     * channel at a time (weight_scales[o].item(), O tensor ops: ~35 us of its ~255 us at 64 channels, Zen 4). The
+     * scales only feed the reorder, whose s8 -> s8 copy at scale 1 is the identity either way: the packed weight,
+     * its zero-point compensation and the conv's result are the same (tests/test_conv_paths.py). The conv itself
+     * still gets the per-channel ones. Measured (2026-12-07, ONEDNN_VERBOSE): the rest of the prepack is the reorder
+     * into oneDNN's blocked layout with the src-zero-point compensation (~220 us of exec at 64x64x3x3 on Zen 4,
+     * value-dependent: no cache by shape can skip it), not the primitive creation (a cache hit, ~1 us). */
+    const at::Tensor unit = at::ones({}, at::TensorOptions().dtype(at::kFloat));
+    torch::jit::Stack st{q_w, unit, 1.0, zp, stride.vec(), padding.vec(), dilation.vec(), (int64_t)1, u8.sizes().vec()};
     prepack.callBoxed(&st);
     const at::Tensor packed = st[0].toTensor();
     torch::jit::Stack st2{u8, 1.0, zp, packed, ones, zeros, c10::IValue(), stride.vec(), padding.vec(), dilation.vec(),
@@ -481,13 +493,44 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     return y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});  // the output takes the input's memory format
 }
 
+/* The symmetric min-max scale per output channel of w2 (O, K) fp32 contiguous, as minmax_weight_scale computes it
+ * (intqat/ops/int_linear.py): clamp(max(amax, -amin) / qmax, min=eps) per row. max |w| is an exact selection (a NaN
+ * anywhere in the row gives NaN, as amax / maximum propagate it), then one float32 division by qmax (aten's
+ * true division of a float32 tensor by a number: a / b, not a * (1 / b)), then the clamp (NaN stays NaN). The same
+ * float32 values: tests/test_conv_nchw_step.py compares them bit for bit. */
+/* max |row[k]| for k < K (0 for K = 0), NaN if any element is NaN (vectorized: -O2 alone leaves it scalar) */
+__attribute__((optimize("O3"))) float row_absmax(const float *__restrict row, int64_t K) {
+    float m = 0.0f;
+    int nan = 0;
+    for (int64_t k = 0; k < K; ++k) {
+        const float a = std::fabs(row[k]);
+        nan |= a != a;
+        m = a > m ? a : m;
+    }
+    return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
+at::Tensor minmax_channel_scale(const at::Tensor &w2, int64_t qmax, double eps) {
+    const int64_t O = w2.size(0), K = w2.size(1);
+    at::Tensor s = at::empty({O}, at::TensorOptions().dtype(at::kFloat));
+    const float *w = w2.data_ptr<float>();
+    float *sp = s.data_ptr<float>();
+    const float q = (float)qmax, e = (float)eps;
+    for (int64_t o = 0; o < O; ++o) {
+        const float v = row_absmax(w + o * K, K) / q;
+        sp[o] = v != v ? v : (v < e ? e : v);
+    }
+    return s;
+}
+
 struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
-                              const c10::optional<at::Tensor> &bias_in, const at::Tensor &w_scale, double x_scale,
+                              const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
+                              double x_scale,
                               int64_t x_zero_point, std::vector<int64_t> stride, std::vector<int64_t> padding,
                               std::vector<int64_t> dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
                               int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm, bool digits_x,
-                              bool digits_w, bool digits_amx) {
+                              bool digits_w, bool digits_amx, double w_eps) {
         TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && weight.dim() == 4,
                     "intqat_train::int_conv2d: x (B, C, H, W) float32 and a 4-D weight");
         const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -505,7 +548,13 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows; the bool
         // mask dies in its packing: scratch)
         const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
-        const at::Tensor s_w = w_scale.detach().reshape({-1}).to(at::kFloat).contiguous();
+        // w_scale None: the min-max scale per output channel, computed here (intqat.nn.conv_step: what
+        // WeightQuantizer.channel_scale returns for such a layer, without ~20 us of Python and 4 tensor ops)
+        const bool given = w_scale.has_value() && w_scale->defined();
+        TORCH_CHECK(given || w_eps > 0, "intqat_train::int_conv2d: without w_scale, w_eps (the min-max scale's floor) "
+                    "must be > 0");
+        const at::Tensor s_w = given ? w_scale->detach().reshape({-1}).to(at::kFloat).contiguous()
+                                     : minmax_channel_scale(w2, w_qmax, w_eps);
         at::Tensor q_w = at::empty_like(w2, at::kChar);
         at::Tensor mask_w = w_clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
                                         : at::empty({0}, at::TensorOptions().dtype(at::kBool));
@@ -535,7 +584,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
-        variable_list out(19);  // one per forward input; x, weight, bias get gradients
+        variable_list out(20);  // one per forward input; x, weight, bias get gradients
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
@@ -655,23 +704,84 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     }
 };
 
+/* intqat_train::bn_fold: IntConv2d.folded() (intqat/nn/conv.py) as one autograd op, for the eager CPU step.
+ * Why: the fold is 8 tensor ops with autograd in Python (~26-29 us a conv and step on Zen 4, 1 thread) and 5-7
+ * autograd nodes in backward. Here the same aten calls run in the same order on the same tensors, forward and
+ * backward (what autograd's MulBackward0 / AddBackward0 / SubBackward0 and its broadcast reduction, at::sum_to,
+ * compute), so the same bits (tests/test_conv_nchw_step.py compares values and gradients bit for bit):
+ *     r = rsqrt(running_var + eps);  sf = gamma * r  (gamma: ones when BN is not affine)
+ *     w_fold = W * sf[o]            b_fold = beta + (b - running_mean) * sf     (b, beta: zeros when absent)
+ * backward (g_w, g_b): W: g_w * sf[o];  b: g_b * sf;  beta: g_b;
+ *     gamma: (sum_to(g_w * W, (O, 1, 1, 1)) + g_b * (b - running_mean)) * r   (a sum of two terms: either order) */
+struct BnFold : public torch::autograd::Function<BnFold> {
+    static variable_list forward(AutogradContext *ctx, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                                 const c10::optional<at::Tensor> &gamma, const c10::optional<at::Tensor> &beta,
+                                 const at::Tensor &running_mean, const at::Tensor &running_var, double eps) {
+        const bool has_b = bias.has_value() && bias->defined(), has_gamma = gamma.has_value() && gamma->defined(),
+                   has_beta = beta.has_value() && beta->defined();
+        const at::Tensor r = at::rsqrt(running_var + eps);
+        const at::Tensor sf = (has_gamma ? *gamma : at::ones_like(running_var)) * r;
+        const at::Tensor sf4 = sf.reshape({-1, 1, 1, 1});
+        at::Tensor w = weight * sf4;
+        const at::Tensor u = (has_b ? *bias : at::zeros_like(sf)) - running_mean;
+        at::Tensor b = (has_beta ? *beta : at::zeros_like(sf)) + u * sf;
+        ctx->save_for_backward({weight, sf4, sf, u, r});
+        ctx->saved_data["has_b"] = has_b;
+        ctx->saved_data["has_gamma"] = has_gamma;
+        ctx->saved_data["has_beta"] = has_beta;
+        return {w, b};
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list out(7);
+        const at::Tensor &g_w = grads[0], &g_b = grads[1];
+        auto saved = ctx->get_saved_variables();
+        const at::Tensor &weight = saved[0], &sf4 = saved[1], &sf = saved[2], &u = saved[3], &r = saved[4];
+        // (needs_input_grad counts edges: the optional inputs that were given only, in order)
+        const bool has_b = ctx->saved_data["has_b"].toBool(), has_gamma = ctx->saved_data["has_gamma"].toBool(),
+                   has_beta = ctx->saved_data["has_beta"].toBool();
+        const size_t e_gamma = 1 + has_b, e_beta = 1 + has_b + has_gamma;
+        if (ctx->needs_input_grad(0) && g_w.defined()) out[0] = g_w * sf4;
+        if (has_b && ctx->needs_input_grad(1) && g_b.defined()) out[1] = g_b * sf;
+        if (has_gamma && ctx->needs_input_grad(e_gamma)) {
+            at::Tensor g_sf;
+            if (g_w.defined()) g_sf = at::sum_to(g_w * weight, sf4.sizes()).reshape(sf.sizes());
+            if (g_b.defined()) g_sf = g_sf.defined() ? g_sf + g_b * u : g_b * u;
+            if (g_sf.defined()) out[2] = g_sf * r;
+        }
+        if (has_beta && ctx->needs_input_grad(e_beta) && g_b.defined()) out[3] = g_b;
+        return out;
+    }
+};
+
 at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
-                      const at::Tensor &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
+                      const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
                       at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
                       int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm, bool digits_x, bool digits_w,
-                      bool digits_amx) {
+                      bool digits_amx, double w_eps) {
     return IntConv2dTrain::apply(x, weight, bias, w_scale, x_scale, x_zero_point, stride.vec(), padding.vec(),
                                  dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask, gemm, digits_x,
-                                 digits_w, digits_amx);
+                                 digits_w, digits_amx, w_eps);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
-    m.def("int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor w_scale, float x_scale, int x_zero_point, "
+    // w_scale None: the op computes the min-max scale per output channel (floor w_eps), intqat.nn.conv_step
+    m.def("int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor? w_scale, float x_scale, int x_zero_point, "
           "int[] stride, int[] padding, int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, "
-          "bool w_clip_mask, int gemm, bool digits_x, bool digits_w, bool digits_amx) -> Tensor",
+          "bool w_clip_mask, int gemm, bool digits_x, bool digits_w, bool digits_amx, float w_eps=0.0) -> Tensor",
           int_conv2d);
+    m.def("bn_fold(Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor running_mean, Tensor running_var, "
+          "float eps) -> Tensor[]",
+          [](const at::Tensor &weight, const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &gamma,
+             const c10::optional<at::Tensor> &beta, const at::Tensor &running_mean, const at::Tensor &running_var,
+             double eps) -> std::vector<at::Tensor> {
+              TORCH_CHECK(weight.dim() == 4 && running_var.dim() == 1 && running_var.size(0) == weight.size(0),
+                          "intqat_train::bn_fold: weight (O, C/g, kh, kw) and (O,) statistics, got ", weight.sizes(),
+                          " and ", running_var.sizes());
+              return BnFold::apply(weight, bias, gamma, beta, running_mean, running_var, eps);
+          });
     // the fold alone, for int_conv2d's Python path (its eager CPU calls): the same loop, so the same bits
     m.def("fold_padded(Tensor cols, int B, int Ho, int Wo, int C, int H, int W, int kh, int kw, int[] stride, "
           "int[] padding, int[] dilation) -> Tensor",
