@@ -298,9 +298,10 @@ def test_avx2_int16_grouped_kernel_both_paths_equal_reference(M, K, N, gs, wmax)
     g = torch.Generator().manual_seed(M * 1000 + K + N + gs + wmax)
     q_x = torch.randint(-128, 128, (M, K), generator=g, dtype=torch.int8)
     q_w = torch.randint(-wmax, wmax + 1, (N, K), generator=g, dtype=torch.int8)
-    q_x[0, :] = -128  # the largest |a| = 255 after the + 128 shift... and |q_x - z| = 255 at z = 127
+    q_x[0, :] = -128  # |q_x - z| = 255 at z = 127 (vpmaddwd's largest operand)
+    q_x[-1, :] = 127  # a = q_x + 128 = 255 against the -8 row: 8 pair sums of -4080 = -32640, int16's edge
     q_w[0, :] = -wmax
-    q_w[:, 1] = wmax
+    q_w[1:, 1] = wmax  # row 0 stays all -wmax
     s_w = torch.rand(N, K // gs, generator=g) * 0.01 + 1e-4
     b = torch.randn(N, generator=g)
     kernel = backends.get("avx2_int16")
