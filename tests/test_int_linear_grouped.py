@@ -286,6 +286,34 @@ def test_triton_kernel_refuses_odd_group_size():
                                            torch.ones(2, 2), None)
 
 
+@pytest.mark.parametrize("M,K,N,gs", [(128, 256, 256, 32), (37, 96, 45, 32), (6, 64, 17, 4), (13, 96, 33, 12),
+                                      (5, 192, 16, 48), (4, 256, 31, 128), (1, 60, 5, 6), (11, 64, 19, 2)])
+@pytest.mark.parametrize("wmax", [8, 9, 127])
+def test_avx2_int16_grouped_kernel_both_paths_equal_reference(M, K, N, gs, wmax):
+    """int16_gemm.c's two per-group paths, bit for bit: weight codes all in [-8, 8] with gs % 4 == 0 take
+    vpmaddubsw (int16 sums over 32 k, then a (128 + z) * colsum_g correction); wider codes (9, 127) or
+    gs % 4 != 0 take vpmaddwd. Ragged M / N (tiles of 4 or 6 rows, 16 columns), several groups per 32-k
+    chunk and chunks per group, extreme codes (-128 activations against -8 / -wmax weights), z at both ends."""
+    _runs_here("avx2_int16")
+    g = torch.Generator().manual_seed(M * 1000 + K + N + gs + wmax)
+    q_x = torch.randint(-128, 128, (M, K), generator=g, dtype=torch.int8)
+    q_w = torch.randint(-wmax, wmax + 1, (N, K), generator=g, dtype=torch.int8)
+    q_x[0, :] = -128  # |q_x - z| = 255 at z = 127 (vpmaddwd's largest operand)
+    q_x[-1, :] = 127  # a = q_x + 128 = 255 against the -8 row: 8 pair sums of -4080 = -32640, int16's edge
+    q_w[0, :] = -wmax
+    q_w[1:, 1] = wmax  # row 0 stays all -wmax
+    s_w = torch.rand(N, K // gs, generator=g) * 0.01 + 1e-4
+    b = torch.randn(N, generator=g)
+    kernel = backends.get("avx2_int16")
+    for z in (None, -128, 5, 127):
+        z_x = None if z is None else torch.tensor([z], dtype=torch.int32)
+        for s_x in (torch.rand(M, 1, generator=g) + 0.01, torch.tensor([0.02])):
+            for bias in (b, None):
+                got = kernel.linear_grouped(q_x, q_w, s_w, z_x, s_x, bias)
+                assert torch.equal(got, grouped_reference(q_x, q_w, s_w, z_x, s_x, bias)), (z, s_x.numel(), bias is None)
+                assert torch.equal(got, _definition(q_x, q_w, s_w, 0 if z is None else z, s_x, bias))
+
+
 @pytest.mark.parametrize("name", ["avx2_int16", "fp32_exact"])
 @pytest.mark.parametrize("M,K,N,gs", [(5, 64, 70, 32), (33, 96, 40, 32), (64, 512, 130, 128), (3, 60, 5, 20)])
 def test_fp32_kernel_for_cpus_without_int8_dot_products_equals_reference(name, M, K, N, gs):

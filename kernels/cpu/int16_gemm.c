@@ -204,23 +204,60 @@ void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *
  * One float32 rounding per operation in this order (mul then add, no FMA): the reference's bits. The
  * MRx16 tile keeps its int32 accumulators in registers over a group, then scales and adds them into
  * t, which stays in L1 (t in registers too would need 24 of AVX2's 16). gs must be even: a group is
- * whole pairs of k. swt (G, Np): s_wᵀ padded to Np = N rounded up to 16. */
-static inline void kernel_tile_grouped(const int16_t *ap, const int16_t *bp, int64_t kp2, int64_t gp,
-                                       const float *swt, int64_t Np, const float *sx, int64_t sx_stride,
-                                       const float *bias, float *y, int64_t N, int mr, int nr) {
-    float t[MR][NR];
+ * whole pairs of k. swt (G, Np): s_wT padded to Np = N rounded up to 16. */
+
+/* Operand constraint for a ymm register: AVX-512VL's 32 ("v") or AVX2's 16 ("x"). */
+#if defined(__AVX512VL__)
+#define YMM_REG "v"
+#else
+#define YMM_REG "x"
+#endif
+
+/* One row's step of the grouped tile: c0 += madd(a pair of k broadcast, b0), c1 += madd(it, b1).
+ * In asm, one row at a time, because gcc hoisted all MR broadcasts ahead of the 2 MR products: with
+ * 4 broadcasts + 8 products + 8 accumulators live, an AVX2 build spilled one accumulator to the stack
+ * inside the group loop (a store-to-load round trip on the critical path every k pair: the kernel
+ * measured 1.05-1.3x fp32 at the Llama shapes against the plain int16 linear's 0.4x). Here the tile
+ * needs 2 MR accumulators + 2 B vectors + 2 temporaries: 12 of AVX2's 16 registers at MR = 4. */
+static inline __attribute__((always_inline)) void madd_row(__m256i *c0, __m256i *c1, const int32_t *a,
+                                                           __m256i b0, __m256i b1) {
+    __m256i t, p;
+    __asm__("vpbroadcastd %[a], %[t]\n\t"
+            "vpmaddwd %[b0], %[t], %[p]\n\t"
+            "vpaddd %[p], %[c0], %[c0]\n\t"
+            "vpmaddwd %[b1], %[t], %[t]\n\t"
+            "vpaddd %[t], %[c1], %[c1]"
+            : [c0] "+" YMM_REG(*c0), [c1] "+" YMM_REG(*c1), [t] "=&" YMM_REG(t), [p] "=&" YMM_REG(p)
+            : [a] "m"(*a), [b0] YMM_REG(b0), [b1] YMM_REG(b1));
+}
+
+/* gp: pairs of k per group. always_inline so that the caller's constant gp (16: group size 32) unrolls
+ * the group loop. */
+static inline __attribute__((always_inline)) void kernel_tile_grouped(
+    const int16_t *ap, const int16_t *bp, int64_t kp2, const int64_t gp, const float *swt, int64_t Np,
+    const float *sx, int64_t sx_stride, const float *bias, float *y, int64_t N, int mr, int nr) {
+    float t[MR][NR] __attribute__((aligned(32)));
     for (int r = 0; r < MR; ++r)
         for (int j = 0; j < NR; ++j) t[r][j] = 0.0f;
-    const int32_t *a32 = (const int32_t *)ap;
+    const int32_t *a = (const int32_t *)ap;
+    const int16_t *b = bp;
     for (int64_t g = 0; g < kp2 / gp; ++g) {
         __m256i acc[MR][2];
-        madd_tile(acc, &a32, &bp, gp);
+        for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int64_t kp = 0; kp < gp; ++kp) {
+            const __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 16));
+            for (int r = 0; r < MR; ++r) madd_row(&acc[r][0], &acc[r][1], a + r, b0, b1);
+            a += MR;
+            b += 32;
+        }
+        /* t = t + float32(acc_g) * s_w[n, g]: mul, then add, each rounded once */
         const __m256 s0 = _mm256_loadu_ps(swt + g * Np), s1 = _mm256_loadu_ps(swt + g * Np + 8);
         for (int r = 0; r < MR; ++r) {
             const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), s0);
             const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), s1);
-            _mm256_storeu_ps(t[r], _mm256_add_ps(_mm256_loadu_ps(t[r]), p0));
-            _mm256_storeu_ps(t[r] + 8, _mm256_add_ps(_mm256_loadu_ps(t[r] + 8), p1));
+            _mm256_store_ps(t[r], _mm256_add_ps(_mm256_load_ps(t[r]), p0));
+            _mm256_store_ps(t[r] + 8, _mm256_add_ps(_mm256_load_ps(t[r] + 8), p1));
         }
     }
     for (int r = 0; r < mr; ++r)
@@ -230,12 +267,186 @@ static inline void kernel_tile_grouped(const int16_t *ap, const int16_t *bp, int
         }
 }
 
+/* ---- 4-bit weights (8da4w): vpmaddubsw, int16 sums over 32 k ----
+ * When every weight code is in [-8, 8] and gs % 4 == 0, each group's exact sum is made with half the
+ * multiply instructions: vpmaddubsw multiplies 32 unsigned by signed byte pairs and adds adjacent pairs
+ * into 16 int16 lanes. The activations go in as a = q_x + 128 in [0, 255] (an xor with 0x80), so
+ *   acc_g[m, n] = sum_{k in g} a[m, k] q_w[n, k] - (128 + z) colsum_g(q_w)[n]          (the same integer)
+ * A pair sum is <= 2 * 255 * 8 = 4080 in magnitude (no saturation), and 8 of them (32 k) <= 32640 < 2^15:
+ * the int16 lanes add 8 steps of 4 k with vpaddw, then one vpmaddwd by 1 widens them to int32 per column.
+ * Per 4 k x 16 columns x row: 2 vpmaddubsw against the vpmaddwd path's 4 (both issue on the same ports).
+ * Layouts (bytes): A panels of MR rows, per quad of k kq, MR words (a[r][4kq .. 4kq+3]); B panels of 16
+ * columns, per kq 16 words (q_w[n][4kq .. 4kq+3]), then the panel's correction (G, 16) int32. */
+
+/* Every code in [-8, 8]: (w + 8) as an unsigned byte <= 16. */
+static int codes_fit_4bit(const int8_t *w, int64_t n) {
+    const __m256i eight = _mm256_set1_epi8(8);
+    __m256i hi = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        hi = _mm256_max_epu8(hi, _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(w + i)), eight));
+    uint8_t lanes[32];
+    _mm256_storeu_si256((__m256i *)lanes, hi);
+    int ok = 1;
+    for (int j = 0; j < 32; ++j) ok &= lanes[j] <= 16;
+    for (; i < n; ++i) ok &= w[i] >= -8 && w[i] <= 8;
+    return ok;
+}
+
+/* a = q_x + 128 in MR-row panels of 4-byte words; rows past M are 0 (never stored). K % 4 == 0. */
+static void pack_a_u8(const int8_t *q_x, int64_t M, int64_t K, uint8_t *ap) {
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < (M + MR - 1) / MR; ++p) {
+        uint32_t *dst = (uint32_t *)(ap + p * K * MR);
+        for (int64_t kq = 0; kq < K / 4; ++kq)
+            for (int r = 0; r < MR; ++r) {
+                const int64_t m = p * MR + r;
+                uint32_t v = 0;
+                if (m < M) {
+                    memcpy(&v, q_x + m * K + 4 * kq, 4);
+                    v ^= 0x80808080u;
+                }
+                *dst++ = v;
+            }
+    }
+}
+
+/* Panel p of q_w (N, K row-major) as K/4 lines of 16 words, columns past N 0; then corr (G, 16):
+ * (128 + z) * colsum_g per column, colsum made on the packed lines (vpmaddubsw by 1, vpmaddwd by 1). */
+static void pack_b_u8(const int8_t *q_w, int64_t N, int64_t K, int64_t gs, int32_t z, int64_t p, uint8_t *dst,
+                      int32_t *corr) {
+    const int64_t n0 = p * NR;
+    uint32_t *d32 = (uint32_t *)dst;
+    int64_t done = 0; /* quads written by the vector path: 8 columns x 8 words (32 k) transposed in registers */
+    if (n0 + NR <= N) {
+        done = (K / 32) * 8;
+        for (int64_t blk = 0; blk < K / 32; ++blk)
+            for (int h = 0; h < 2; ++h) {
+                __m256i r[8];
+                for (int i = 0; i < 8; ++i)
+                    r[i] = _mm256_loadu_si256((const __m256i *)(q_w + (n0 + 8 * h + i) * K + 32 * blk));
+                transpose8x8_epi32(r);
+                for (int t = 0; t < 8; ++t) _mm256_storeu_si256((__m256i *)(d32 + (8 * blk + t) * NR + 8 * h), r[t]);
+            }
+    }
+    for (int64_t kq = done; kq < K / 4; ++kq)
+        for (int j = 0; j < NR; ++j) {
+            uint32_t v = 0;
+            if (n0 + j < N) memcpy(&v, q_w + (n0 + j) * K + 4 * kq, 4);
+            d32[kq * NR + j] = v;
+        }
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1), zc = _mm256_set1_epi32(128 + z);
+    const int64_t gq = gs / 4;
+    for (int64_t g = 0; g < K / gs; ++g) {
+        __m256i c0 = _mm256_setzero_si256(), c1 = _mm256_setzero_si256();
+        for (int64_t kq = g * gq; kq < (g + 1) * gq; ++kq) {
+            const __m256i b0 = _mm256_loadu_si256((const __m256i *)(dst + kq * 64));
+            const __m256i b1 = _mm256_loadu_si256((const __m256i *)(dst + kq * 64 + 32));
+            c0 = _mm256_add_epi32(c0, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b0), ones16));
+            c1 = _mm256_add_epi32(c1, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b1), ones16));
+        }
+        _mm256_storeu_si256((__m256i *)(corr + g * NR), _mm256_mullo_epi32(c0, zc));
+        _mm256_storeu_si256((__m256i *)(corr + g * NR + 8), _mm256_mullo_epi32(c1, zc));
+    }
+}
+
+/* One row's step: h0 += maddubs(a quad of k broadcast, b0), h1 += maddubs(it, b1), int16 lanes. In asm for
+ * the reason madd_row is. AT&T order: vpmaddubsw signed, unsigned, dst (the broadcast a is the unsigned). */
+static inline __attribute__((always_inline)) void maddubs_row(__m256i *h0, __m256i *h1, const int32_t *a,
+                                                              __m256i b0, __m256i b1) {
+    __m256i t, p;
+    __asm__("vpbroadcastd %[a], %[t]\n\t"
+            "vpmaddubsw %[b0], %[t], %[p]\n\t"
+            "vpaddw %[p], %[h0], %[h0]\n\t"
+            "vpmaddubsw %[b1], %[t], %[t]\n\t"
+            "vpaddw %[t], %[h1], %[h1]"
+            : [h0] "+" YMM_REG(*h0), [h1] "+" YMM_REG(*h1), [t] "=&" YMM_REG(t), [p] "=&" YMM_REG(p)
+            : [a] "m"(*a), [b0] YMM_REG(b0), [b1] YMM_REG(b1));
+}
+
+/* gq: quads of k per group (a constant 8 for group size 32: one int16 chunk per group, unrolled). */
+static inline __attribute__((always_inline)) void kernel_tile_grouped_u8(
+    const uint8_t *ap, const uint8_t *bp, const int32_t *corr, int64_t kq4, const int64_t gq, const float *swt,
+    int64_t Np, const float *sx, int64_t sx_stride, const float *bias, float *y, int64_t N, int mr, int nr) {
+    float t[MR][NR] __attribute__((aligned(32)));
+    for (int r = 0; r < MR; ++r)
+        for (int j = 0; j < NR; ++j) t[r][j] = 0.0f;
+    const __m256i ones16 = _mm256_set1_epi16(1);
+    const int32_t *a = (const int32_t *)ap;
+    const uint8_t *b = bp;
+    for (int64_t g = 0; g < kq4 / gq; ++g) {
+        __m256i acc[MR][2];
+        for (int64_t c = 0; c < gq; c += 8) { /* chunks of <= 8 quads: the int16 sums stay below 2^15 */
+            __m256i h[MR][2];
+            for (int r = 0; r < MR; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
+            const int64_t steps = gq - c < 8 ? gq - c : 8;
+            for (int64_t s = 0; s < steps; ++s) {
+                const __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
+                const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 32));
+                for (int r = 0; r < MR; ++r) maddubs_row(&h[r][0], &h[r][1], a + r, b0, b1);
+                a += MR;
+                b += 64;
+            }
+            for (int r = 0; r < MR; ++r)
+                for (int i = 0; i < 2; ++i) {
+                    const __m256i w = _mm256_madd_epi16(h[r][i], ones16);
+                    acc[r][i] = c == 0 ? w : _mm256_add_epi32(acc[r][i], w);
+                }
+        }
+        /* acc_g = sum a q_w - (128 + z) colsum_g; t = t + float32(acc_g) * s_w[n, g], each rounded once */
+        const __m256i k0 = _mm256_loadu_si256((const __m256i *)(corr + g * NR));
+        const __m256i k1 = _mm256_loadu_si256((const __m256i *)(corr + g * NR + 8));
+        const __m256 s0 = _mm256_loadu_ps(swt + g * Np), s1 = _mm256_loadu_ps(swt + g * Np + 8);
+        for (int r = 0; r < MR; ++r) {
+            const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][0], k0)), s0);
+            const __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][1], k1)), s1);
+            _mm256_store_ps(t[r], _mm256_add_ps(_mm256_load_ps(t[r]), p0));
+            _mm256_store_ps(t[r] + 8, _mm256_add_ps(_mm256_load_ps(t[r] + 8), p1));
+        }
+    }
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nr; ++j) {
+            const float v = t[r][j] * sx[r * sx_stride];
+            y[r * N + j] = bias ? v + bias[j] : v;
+        }
+}
+
+static void int16_linear_grouped_u8(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
+                                    int64_t gs, int32_t z, const float *swt, int64_t Np, const float *s_x,
+                                    int64_t sx_stride, const float *bias, uint8_t *ap, uint8_t *bp, float *y) {
+    const int64_t kq4 = K / 4, gq = gs / 4, G = K / gs, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
+    int32_t *corr = (int32_t *)(bp + Np * K); /* after the byte panels: G * Np words fit in the other Np * K bytes */
+    pack_a_u8(q_x, M, K, ap);
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < panels_n; ++q) {
+        uint8_t *bq = bp + q * K * NR;
+        int32_t *cq = corr + q * G * NR;
+        pack_b_u8(q_w, N, K, gs, z, q, bq, cq);
+        const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
+        for (int64_t p = 0; p < panels_m; ++p) {
+            const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
+            const uint8_t *ar = ap + p * K * MR;
+            const float *sxr = s_x + p * MR * sx_stride, *br = bias ? bias + q * NR : NULL;
+            float *yr = y + p * MR * N + q * NR;
+            if (gq == 8) /* group size 32 (8da4w's) */
+                kernel_tile_grouped_u8(ar, bq, cq, kq4, 8, swt + q * NR, Np, sxr, sx_stride, br, yr, N, mr, nr);
+            else
+                kernel_tile_grouped_u8(ar, bq, cq, kq4, gq, swt + q * NR, Np, sxr, sx_stride, br, yr, N, mr, nr);
+        }
+    }
+}
+
 /* q_x (M, K), q_w (N, K) row-major int8; group size gs (even, dividing K); z the activation zero point;
  * s_x[m * sx_stride]; swt (G, Np) as above; bias (N,) or NULL; y (M, N). ap / bp: int16 scratch of
  * (M rounded up to 6) * K and (N rounded up to 16) * K. */
 void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
                                  int64_t gs, int32_t z, const float *swt, int64_t Np, const float *s_x,
                                  int64_t sx_stride, const float *bias, int16_t *ap, int16_t *bp, float *y) {
+    if (gs % 4 == 0 && codes_fit_4bit(q_w, N * K)) { /* 4-bit weight codes: the vpmaddubsw kernel above */
+        int16_linear_grouped_u8(q_x, M, K, q_w, N, gs, z, swt, Np, s_x, sx_stride, bias, (uint8_t *)ap,
+                                (uint8_t *)bp, y);
+        return;
+    }
     const int64_t kp2 = K / 2, gp = gs / 2, panels_n = (N + NR - 1) / NR, panels_m = (M + MR - 1) / MR;
     pack_a(q_x, M, K, K, 1, kp2, z, ap);
 #pragma omp parallel for schedule(static)
@@ -245,8 +456,13 @@ void intqat_int16_linear_grouped(const int8_t *q_x, int64_t M, int64_t K, const 
         const int nr = (int)(N - q * NR < NR ? N - q * NR : NR);
         for (int64_t p = 0; p < panels_m; ++p) {
             const int mr = (int)(M - p * MR < MR ? M - p * MR : MR);
-            kernel_tile_grouped(ap + p * kp2 * MR * 2, bq, kp2, gp, swt + q * NR, Np, s_x + p * MR * sx_stride,
-                                sx_stride, bias ? bias + q * NR : NULL, y + p * MR * N + q * NR, N, mr, nr);
+            const int16_t *ar = ap + p * kp2 * MR * 2;
+            const float *sxr = s_x + p * MR * sx_stride, *br = bias ? bias + q * NR : NULL;
+            float *yr = y + p * MR * N + q * NR;
+            if (gp == 16) /* group size 32 (8da4w's): the group loop unrolled */
+                kernel_tile_grouped(ar, bq, kp2, 16, swt + q * NR, Np, sxr, sx_stride, br, yr, N, mr, nr);
+            else
+                kernel_tile_grouped(ar, bq, kp2, gp, swt + q * NR, Np, sxr, sx_stride, br, yr, N, mr, nr);
         }
     }
 }
