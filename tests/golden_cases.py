@@ -122,12 +122,15 @@ CASES: tuple[Case, ...] = (
 
 def machine_signature() -> str:
     """What the bits of float kernels depend on besides intqat's code: torch's build and the CPU's
-    instruction sets (MKL / oneDNN / ATen pick kernels by them). The test runs on one thread."""
-    from intqat.ops.cpu_features import cpu_info
+    instruction sets (MKL / oneDNN / ATen pick kernels by them), and INTQAT_EMULATE_NO_INT8_DOT (it changes the class
+    the backend table sees: the backward's GEMMs differ, so such a run is another machine class). The test runs on
+    one thread."""
+    from intqat.ops.cpu_features import cpu_info, emulating_no_int8_dot
 
     model, flags = cpu_info()
     isa = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "asimd", "sve", "i8mm")))
-    return f"torch {torch.__version__}; {platform.machine()}; {model}; {' '.join(isa)}"
+    emulated = "; emulating no int8 dot products" if emulating_no_int8_dot() else ""
+    return f"torch {torch.__version__}; {platform.machine()}; {model}; {' '.join(isa)}{emulated}"
 
 
 def record_tensor(t: Tensor) -> dict:
