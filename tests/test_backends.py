@@ -262,6 +262,27 @@ def test_avx2_int16_edges_and_extreme_codes(M, K, N):
         assert torch.equal(got, _reference(int_mm, a, b))
 
 
+@pytest.mark.parametrize("M,K,N", [(12, 33, 48), (8, 2, 32), (13, 31, 33), (24, 96, 384), (5, 7, 15)])
+@pytest.mark.parametrize("z", [None, 0, 7, -128])
+def test_avx2_int16_linear_whole_tiles_and_edges(M, K, N, z):
+    """The fused linear's epilogue: whole tiles (12 rows: 3 tiles of 4 in the AVX2 build, 2 of 6 with
+    AVX-512VL) from registers 8 lanes at a time, ragged rows / columns element by element; both the
+    reference's bits, with and without the zero-point correction (z None: no colsum), per-tensor and
+    per-row s_x, with and without bias, and the extreme codes (-128 everywhere)."""
+    _runs_here("avx2_int16")
+    g = torch.Generator().manual_seed(M * 31 + K + N)
+    s_w, b = torch.rand(N, generator=g) * 0.01 + 0.001, torch.randn(N, generator=g)
+    z_x = None if z is None else torch.tensor([z], dtype=torch.int32)
+    for q_x, q_w in ((_codes(M, K, seed=M), _codes(N, K, seed=N)),
+                     (torch.full((M, K), -128, dtype=torch.int8), torch.full((N, K), -128, dtype=torch.int8))):
+        colsum = q_w.to(torch.int32).sum(1, dtype=torch.int32)
+        for s_x in (torch.tensor([[0.03]]), torch.rand(M, 1, generator=g) * 0.1 + 0.01):
+            for bias in (None, b):
+                args = (q_x, q_w, z_x, colsum, s_x, s_w, bias)
+                got = backends.get("avx2_int16").linear(*args)
+                assert torch.equal(got, backends.get("reference").linear(*args))
+
+
 @pytest.fixture(scope="module")
 def avx2_cache(tmp_path_factory):
     """One kernel cache for the two tests below: INTQAT_KERNEL_MARCH=x86-64-v3 and INTQAT_EMULATE_NO_INT8_DOT=1

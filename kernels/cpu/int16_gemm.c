@@ -28,11 +28,15 @@ int intqat_int16_gemm_available(void) { return 1; }
 /* Rows per register tile: each vpmaddwd needs a scratch register before its vpaddd, so a 6x16 tile takes
  * 12 accumulators + 2 B vectors + 1 broadcast + 1 product = all 16 of AVX2's ymm registers, and gcc
  * spills accumulators to the stack inside the loop (an AVX2-only build measured 1.2x fp32 instead of
- * 1.6x). With AVX-512VL's 32 registers 6 rows fit; plain AVX2 takes 4 (8 accumulators, no spill). The
+ * 1.6x). With AVX-512VL's 32 registers 6 rows fit; plain AVX2 takes 4 (8 accumulators; madd_tile says
+ * why they are named variables). With madd_row's asm 6 rows would take exactly all 16 registers without a
+ * spill: measured within 2% of 4 rows on the Zen 4 (x86-64-v3 build), so 4, which leaves gcc room. The
  * caller sizes A's scratch for either (rows rounded up to 12). */
 #if defined(__AVX512VL__)
+#define MR_IS_6 1 /* for the preprocessor (madd_tile's named accumulators) */
 enum { MR = 6, NR = 16 };
 #else
+#define MR_IS_6 0
 enum { MR = 4, NR = 16 };
 #endif
 
@@ -113,26 +117,97 @@ typedef struct {
     const float *bias;   /* (N,) or NULL */
 } int16_out;
 
-/* c[r][j] = sum_kp madd(a pair of row r, b pair of column j), r < mr, j < nr, for the block at (m0, n0) */
+/* Operand constraint for a ymm register: AVX-512VL's 32 ("v") or AVX2's 16 ("x"). */
+#if defined(__AVX512VL__)
+#define YMM_REG "v"
+#else
+#define YMM_REG "x"
+#endif
+
+/* One row's step of a tile (plain and grouped): c0 += madd(a pair of k broadcast, b0), c1 += madd(it, b1).
+ * In asm, one row at a time, because gcc hoisted all MR broadcasts ahead of the 2 MR products: with
+ * 4 broadcasts + 8 products + 8 accumulators live, an AVX2 build spilled one accumulator to the stack
+ * inside the group loop (a store-to-load round trip on the critical path every k pair: the kernel
+ * measured 1.05-1.3x fp32 at the Llama shapes against the plain int16 linear's 0.4x). Here the tile
+ * needs 2 MR accumulators + 2 B vectors + 2 temporaries: 12 of AVX2's 16 registers at MR = 4. */
+static inline __attribute__((always_inline)) void madd_row(__m256i *c0, __m256i *c1, const int32_t *a,
+                                                           __m256i b0, __m256i b1) {
+    __m256i t, p;
+    __asm__("vpbroadcastd %[a], %[t]\n\t"
+            "vpmaddwd %[b0], %[t], %[p]\n\t"
+            "vpaddd %[p], %[c0], %[c0]\n\t"
+            "vpmaddwd %[b1], %[t], %[t]\n\t"
+            "vpaddd %[t], %[c1], %[c1]"
+            : [c0] "+" YMM_REG(*c0), [c1] "+" YMM_REG(*c1), [t] "=&" YMM_REG(t), [p] "=&" YMM_REG(p)
+            : [a] "m"(*a), [b0] YMM_REG(b0), [b1] YMM_REG(b1));
+}
+
 /* acc = the exact sums over `steps` pairs of k of the MR x 16 block: A's pairs from *a32, B's from *bp
- * (both advanced past them). 2 MR accumulators + 2 B vectors + 1 broadcast + 1 product. */
-static inline void madd_tile(__m256i acc[MR][2], const int32_t **a32, const int16_t **bp, int64_t steps) {
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+ * (both advanced past them). 2 MR accumulators + 2 B vectors + 2 temporaries (madd_row): 12 of AVX2's
+ * 16 registers at MR = 4. The accumulators are named variables, not an array: with acc[MR][2] (the
+ * caller's, or a local one) gcc kept the array in memory across madd_row's "m" operand (__m256i may
+ * alias the int32 A words) and stored one accumulator (intrinsics) or all 8 (asm) to the stack every
+ * k pair. */
+static inline __attribute__((always_inline)) void madd_tile(__m256i acc[MR][2], const int32_t **a32,
+                                                            const int16_t **bp, int64_t steps) {
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero, c30 = zero, c31 = zero;
+#if MR_IS_6
+    __m256i c40 = zero, c41 = zero, c50 = zero, c51 = zero;
+#endif
     const int32_t *a = *a32;
     const int16_t *b = *bp;
     for (int64_t kp = 0; kp < steps; ++kp) {
         const __m256i b0 = _mm256_loadu_si256((const __m256i *)b);
         const __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + 16));
-        b += 32;
-        for (int r = 0; r < MR; ++r) {
-            const __m256i av = _mm256_set1_epi32(a[r]);
-            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
-            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
-        }
+        madd_row(&c00, &c01, a + 0, b0, b1);
+        madd_row(&c10, &c11, a + 1, b0, b1);
+        madd_row(&c20, &c21, a + 2, b0, b1);
+        madd_row(&c30, &c31, a + 3, b0, b1);
+#if MR_IS_6
+        madd_row(&c40, &c41, a + 4, b0, b1);
+        madd_row(&c50, &c51, a + 5, b0, b1);
+#endif
         a += MR;
+        b += 32;
     }
+    acc[0][0] = c00, acc[0][1] = c01, acc[1][0] = c10, acc[1][1] = c11;
+    acc[2][0] = c20, acc[2][1] = c21, acc[3][0] = c30, acc[3][1] = c31;
+#if MR_IS_6
+    acc[4][0] = c40, acc[4][1] = c41, acc[5][0] = c50, acc[5][1] = c51;
+#endif
     *a32 = a;
     *bp = b;
+}
+
+/* epilogue_row (epilogue.h) on a whole MR x 16 tile, 8 lanes per instruction, the same bits: per element
+ *   v = acc - z_x * colsum (int32, wrapping: vpmulld / vpsubd keep the low 32 bits as the uint32 arithmetic
+ *   does), o = float32(v) * (s_x[m] * s_w[n]) (+ bias[n])
+ * with one rounding per operation in that order (vcvtdq2ps rounds to nearest as the scalar cast does;
+ * no FMA: mul, then add). Without it the tile went through memory and gcc's vectorized epilogue_row
+ * with its alias checks per row: at K = 96 (ConvNeXt's MLP) the fused linear measured 1.32x fp32
+ * against the int32 GEMM's 1.55x. */
+static inline __attribute__((always_inline)) void epilogue_tile(const __m256i acc[MR][2], const int16_out *out,
+                                                                int64_t N, int64_t m0, int64_t n0) {
+    const __m256 w0 = _mm256_loadu_ps(out->s_w + n0), w1 = _mm256_loadu_ps(out->s_w + n0 + 8);
+    __m256i k0 = _mm256_setzero_si256(), k1 = k0;
+    if (out->colsum) {
+        const __m256i z = _mm256_set1_epi32(out->z_x);
+        k0 = _mm256_mullo_epi32(z, _mm256_loadu_si256((const __m256i *)(out->colsum + n0)));
+        k1 = _mm256_mullo_epi32(z, _mm256_loadu_si256((const __m256i *)(out->colsum + n0 + 8)));
+    }
+    for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_set1_ps(out->s_x[(m0 + r) * out->sx_stride]);
+        __m256 o0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][0], k0)), _mm256_mul_ps(sx, w0));
+        __m256 o1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][1], k1)), _mm256_mul_ps(sx, w1));
+        if (out->bias) {
+            o0 = _mm256_add_ps(o0, _mm256_loadu_ps(out->bias + n0));
+            o1 = _mm256_add_ps(o1, _mm256_loadu_ps(out->bias + n0 + 8));
+        }
+        float *y = out->y + (m0 + r) * N + n0;
+        _mm256_storeu_ps(y, o0);
+        _mm256_storeu_ps(y + 8, o1);
+    }
 }
 
 static inline void kernel_tile(const int16_t *ap, const int16_t *bp, int64_t kp2, const int16_out *out,
@@ -148,7 +223,11 @@ static inline void kernel_tile(const int16_t *ap, const int16_t *bp, int64_t kp2
         }
         return;
     }
-    int32_t tile[MR][NR];
+    if (!out->c && mr == MR && nr == NR) { /* epilogue_row's steps 8 lanes at a time, from registers */
+        epilogue_tile(acc, out, N, m0, n0);
+        return;
+    }
+    int32_t tile[MR][NR]; /* ragged edges: through memory, element by element */
     for (int r = 0; r < MR; ++r) {
         _mm256_storeu_si256((__m256i *)tile[r], acc[r][0]);
         _mm256_storeu_si256((__m256i *)(tile[r] + 8), acc[r][1]);
@@ -205,31 +284,6 @@ void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *
  * MRx16 tile keeps its int32 accumulators in registers over a group, then scales and adds them into
  * t, which stays in L1 (t in registers too would need 24 of AVX2's 16). gs must be even: a group is
  * whole pairs of k. swt (G, Np): s_wT padded to Np = N rounded up to 16. */
-
-/* Operand constraint for a ymm register: AVX-512VL's 32 ("v") or AVX2's 16 ("x"). */
-#if defined(__AVX512VL__)
-#define YMM_REG "v"
-#else
-#define YMM_REG "x"
-#endif
-
-/* One row's step of the grouped tile: c0 += madd(a pair of k broadcast, b0), c1 += madd(it, b1).
- * In asm, one row at a time, because gcc hoisted all MR broadcasts ahead of the 2 MR products: with
- * 4 broadcasts + 8 products + 8 accumulators live, an AVX2 build spilled one accumulator to the stack
- * inside the group loop (a store-to-load round trip on the critical path every k pair: the kernel
- * measured 1.05-1.3x fp32 at the Llama shapes against the plain int16 linear's 0.4x). Here the tile
- * needs 2 MR accumulators + 2 B vectors + 2 temporaries: 12 of AVX2's 16 registers at MR = 4. */
-static inline __attribute__((always_inline)) void madd_row(__m256i *c0, __m256i *c1, const int32_t *a,
-                                                           __m256i b0, __m256i b1) {
-    __m256i t, p;
-    __asm__("vpbroadcastd %[a], %[t]\n\t"
-            "vpmaddwd %[b0], %[t], %[p]\n\t"
-            "vpaddd %[p], %[c0], %[c0]\n\t"
-            "vpmaddwd %[b1], %[t], %[t]\n\t"
-            "vpaddd %[t], %[c1], %[c1]"
-            : [c0] "+" YMM_REG(*c0), [c1] "+" YMM_REG(*c1), [t] "=&" YMM_REG(t), [p] "=&" YMM_REG(p)
-            : [a] "m"(*a), [b0] YMM_REG(b0), [b1] YMM_REG(b1));
-}
 
 /* gp: pairs of k per group. always_inline so that the caller's constant gp (16: group size 32) unrolls
  * the group loop. */
