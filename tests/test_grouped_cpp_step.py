@@ -17,8 +17,9 @@ from intqat.ops.int_linear_grouped import int_linear_grouped
 grouped_mod = importlib.import_module("intqat.ops.int_linear_grouped")  # (intqat.ops re-exports the function's name)
 
 RUNS = cpp_step.unavailable_reason() is None and cpu_kernels.available() and cpu_kernels.grouped_vnni_available()
-needs_cpp = pytest.mark.skipif(not RUNS, reason="the C++ grouped step needs the C++ ops and the per-group VNNI kernel "
-                                                "(AVX512-VNNI); this CPU keeps the Python path")
+needs_cpp = pytest.mark.skipif(not RUNS, reason="these cases run the C++ grouped step on the per-group VNNI kernel "
+                                                "(AVX512-VNNI build): not in this build (its avx2_int16 variant: the "
+                                                "needs_avx2 tests)")
 
 
 def _inputs(M, K, N, gs, given, seed=0):
