@@ -14,7 +14,7 @@
  * Forward, x (B, C, H, W) fp32 (NCHW or channels_last), W (O, C/g, kh, kw):
  *     q_x, mask_x = quantize(x, s_x, z)                 per tensor, in x's layout
  *     q_w, mask_w, colsum = quantize(W, s_w[o], 0)      per output channel (w_scale None: s_w the min-max scale per
- *                                                       channel, minmax_channel_scale: IntConv2d's own, 2026-12-07)
+ *                                                       channel, intqat_quantize_rows_dynamic's one pass, 2026-12-07)
  *     groups == 1: y = epilogue(int_mm(im2col(pad(q_x, z)), q_wᵀ))      rows = NHWC pixels; int_mm on
  *                  torch._int_mm (int8-dot CPUs) or AVX2 vpmaddwd (gemm 1: CPUs without int8 dot products)
  *                  or (gemm 2) y = onednn_conv(q_x, z, q_w) * (s_x s_w[o]) + b[o]: oneDNN's int8 conv, the exact
@@ -48,7 +48,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <cmath>
 #include <vector>
 
@@ -60,6 +59,8 @@
 extern "C" {  // fused.c
 void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                           float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
+void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
+                                  int8_t *out, float *scale, int32_t *rowsum);
 void intqat_epilogue(const int32_t *acc, int64_t M, int64_t N, int32_t z_x, const int32_t *colsum, const float *s_x,
                      int64_t sx_stride, const float *s_w, const float *bias, float *y);
 void intqat_dequantize_rows(const int8_t *q, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
@@ -493,36 +494,6 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     return y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});  // the output takes the input's memory format
 }
 
-/* The symmetric min-max scale per output channel of w2 (O, K) fp32 contiguous, as minmax_weight_scale computes it
- * (intqat/ops/int_linear.py): clamp(max(amax, -amin) / qmax, min=eps) per row. max |w| is an exact selection (a NaN
- * anywhere in the row gives NaN, as amax / maximum propagate it), then one float32 division by qmax (aten's
- * true division of a float32 tensor by a number: a / b, not a * (1 / b)), then the clamp (NaN stays NaN). The same
- * float32 values: tests/test_conv_nchw_step.py compares them bit for bit. */
-/* max |row[k]| for k < K (0 for K = 0), NaN if any element is NaN (vectorized: -O2 alone leaves it scalar) */
-__attribute__((optimize("O3"))) float row_absmax(const float *__restrict row, int64_t K) {
-    float m = 0.0f;
-    int nan = 0;
-    for (int64_t k = 0; k < K; ++k) {
-        const float a = std::fabs(row[k]);
-        nan |= a != a;
-        m = a > m ? a : m;
-    }
-    return nan ? std::numeric_limits<float>::quiet_NaN() : m;
-}
-
-at::Tensor minmax_channel_scale(const at::Tensor &w2, int64_t qmax, double eps) {
-    const int64_t O = w2.size(0), K = w2.size(1);
-    at::Tensor s = at::empty({O}, at::TensorOptions().dtype(at::kFloat));
-    const float *w = w2.data_ptr<float>();
-    float *sp = s.data_ptr<float>();
-    const float q = (float)qmax, e = (float)eps;
-    for (int64_t o = 0; o < O; ++o) {
-        const float v = row_absmax(w + o * K, K) / q;
-        sp[o] = v != v ? v : (v < e ? e : v);
-    }
-    return s;
-}
-
 struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
@@ -548,25 +519,33 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
         // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows; the bool
         // mask dies in its packing: scratch)
         const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
-        // w_scale None: the min-max scale per output channel, computed here (intqat.nn.conv_step: what
-        // WeightQuantizer.channel_scale returns for such a layer, without ~20 us of Python and 4 tensor ops)
+        // w_scale None: the min-max scale per output channel (intqat.nn.conv_step: what WeightQuantizer.channel_scale
+        // returns for such a layer, minmax_weight_scale), made with the codes and colsum in one pass by
+        // intqat_quantize_rows_dynamic (the linear step's weight pass: max |w| / qmax floored at eps, 1 / s, the same
+        // rounding as intqat_quantize_rows with that scale). A min-max scale never clips: no mask.
         const bool given = w_scale.has_value() && w_scale->defined();
         TORCH_CHECK(given || w_eps > 0, "intqat_train::int_conv2d: without w_scale, w_eps (the min-max scale's floor) "
                     "must be > 0");
-        const at::Tensor s_w = given ? w_scale->detach().reshape({-1}).to(at::kFloat).contiguous()
-                                     : minmax_channel_scale(w2, w_qmax, w_eps);
+        const bool clip_mask = given && w_clip_mask;
+        const at::Tensor s_w = given ? w_scale->detach().reshape({-1}).to(at::kFloat).contiguous() : at::empty({O}, f32);
         at::Tensor q_w = at::empty_like(w2, at::kChar);
-        at::Tensor mask_w = w_clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
-                                        : at::empty({0}, at::TensorOptions().dtype(at::kBool));
+        at::Tensor mask_w = clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
+                                      : at::empty({0}, at::TensorOptions().dtype(at::kBool));
         at::Tensor colsum = at::empty({O}, at::TensorOptions().dtype(at::kInt));
-        if (w2.numel())
+        if (w2.numel() && given)
             intqat_quantize_rows(w2.data_ptr<float>(), O, w2.size(1), s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
                                  (float)w_qmax, q_w.data_ptr<int8_t>(),
-                                 w_clip_mask ? (uint8_t *)mask_w.data_ptr() : nullptr, colsum.data_ptr<int32_t>());
-        else
+                                 clip_mask ? (uint8_t *)mask_w.data_ptr() : nullptr, colsum.data_ptr<int32_t>());
+        else if (w2.numel())
+            intqat_quantize_rows_dynamic(w2.data_ptr<float>(), O, w2.size(1), (float)w_qmin, (float)w_qmax,
+                                         (float)w_eps, q_w.data_ptr<int8_t>(), s_w.data_ptr<float>(),
+                                         colsum.data_ptr<int32_t>());
+        else {
             colsum.zero_();
+            if (!given) s_w.fill_(w_eps);  // (no weights: max |w| is 0, the scale its floor)
+        }
         q_w = q_w.reshape(weight.sizes());
-        if (w_clip_mask) mask_w = mask_w.reshape(weight.sizes());
+        if (clip_mask) mask_w = mask_w.reshape(weight.sizes());
         const at::Tensor bias = bias_in.has_value() && bias_in->defined()
                                     ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
