@@ -285,6 +285,17 @@ void intqat_int16_linear(const int8_t *q_x, int64_t M, int64_t K, const int8_t *
  * t, which stays in L1 (t in registers too would need 24 of AVX2's 16). gs must be even: a group is
  * whole pairs of k. swt (G, Np): s_wT padded to Np = N rounded up to 16. */
 
+/* The per-group tiles' last step: y[r, j] = t[r][j] * s_x[r] (+ b[j]), mul then add, each rounded once, for the
+ * tile's mr x nr live part (both per-group kernels below). */
+static inline void store_grouped_tile(float t[MR][NR], int mr, int nr, const float *sx, int64_t sx_stride,
+                                      const float *bias, float *y, int64_t N) {
+    for (int r = 0; r < mr; ++r)
+        for (int j = 0; j < nr; ++j) {
+            const float v = t[r][j] * sx[r * sx_stride];
+            y[r * N + j] = bias ? v + bias[j] : v;
+        }
+}
+
 /* gp: pairs of k per group. always_inline so that the caller's constant gp (16: group size 32) unrolls
  * the group loop. */
 static inline __attribute__((always_inline)) void kernel_tile_grouped(
@@ -314,11 +325,7 @@ static inline __attribute__((always_inline)) void kernel_tile_grouped(
             _mm256_store_ps(t[r] + 8, _mm256_add_ps(_mm256_load_ps(t[r] + 8), p1));
         }
     }
-    for (int r = 0; r < mr; ++r)
-        for (int j = 0; j < nr; ++j) {
-            const float v = t[r][j] * sx[r * sx_stride];
-            y[r * N + j] = bias ? v + bias[j] : v;
-        }
+    store_grouped_tile(t, mr, nr, sx, sx_stride, bias, y, N);
 }
 
 /* ---- 4-bit weights (8da4w): vpmaddubsw, int16 sums over 32 k ----
@@ -458,11 +465,7 @@ static inline __attribute__((always_inline)) void kernel_tile_grouped_u8(
             _mm256_store_ps(t[r] + 8, _mm256_add_ps(_mm256_load_ps(t[r] + 8), p1));
         }
     }
-    for (int r = 0; r < mr; ++r)
-        for (int j = 0; j < nr; ++j) {
-            const float v = t[r][j] * sx[r * sx_stride];
-            y[r * N + j] = bias ? v + bias[j] : v;
-        }
+    store_grouped_tile(t, mr, nr, sx, sx_stride, bias, y, N);
 }
 
 static void int16_linear_grouped_u8(const int8_t *q_x, int64_t M, int64_t K, const int8_t *q_w, int64_t N,
