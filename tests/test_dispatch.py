@@ -96,6 +96,16 @@ def test_explain_lists_every_backend_with_its_verdict():
         assert "reference   RUNS IT (forced)" in explain("linear", q_x, q_w, shape=(256, 1024, 1024), file=io.StringIO())
 
 
+def test_explain_of_a_step_without_its_spec_says_what_to_pass():
+    """The steps' verdicts read their options: without spec= explain names the type to pass and how to see which
+    backend ran a layer, instead of an AttributeError from inside a backend."""
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    for primitive, spec_type in (("linear_step", "LinearStep"), ("grouped_step", "GroupedStep"),
+                                 ("conv_step", "ConvStep")):
+        with pytest.raises(ValueError, match=f"explain\\('{primitive}'.*needs spec=.*{spec_type}.*recording"):
+            explain(primitive, x, w, file=io.StringIO())
+
+
 def test_the_digit_backward_rule_is_the_digit_backends_slow():
     """digits_pay asks the table: the backend that would run digit_matmul, and its slow() for the layer; explain at
     that shape shows the reason of each backend that does not pay."""

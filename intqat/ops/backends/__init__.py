@@ -194,6 +194,11 @@ def explain(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | No
           cpu_fused   RUNS IT
           ...
     """
+    if spec is None and primitive in _STEP_SPECS:
+        raise ValueError(
+            f"explain({primitive!r}, ...) needs spec=: the step's options as {_STEP_SPECS[primitive]}, the value the "
+            f"layer's first call builds. To see which backend ran a layer's step, run it under "
+            f"`with intqat.ops.backends.recording() as ran:` and read `ran` ((primitive, backend) -> calls)")
     if at_run_time:
         tensors = ()
     traced = False if at_run_time else tracing(*tensors)
@@ -222,6 +227,10 @@ def explain(primitive: str, *tensors: Tensor | None, shape: tuple[int, ...] | No
     print(text, file=file)
     return text
 
+
+# the primitives whose verdicts read the step's options (explain refuses them without spec=, naming the type)
+_STEP_SPECS = {"linear_step": "intqat.ops.int_linear.LinearStep", "grouped_step": "intqat.ops.int_linear_grouped.GroupedStep",
+               "conv_step": "intqat.ops.int_conv2d.ConvStep"}
 
 # what an op does when no backend takes a primitive only some implement (explain's last line)
 _OTHER_ALGORITHM = {"digit_matmul": "the digit GEMM's: the fp32 backward",
