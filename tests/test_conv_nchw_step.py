@@ -166,6 +166,7 @@ def test_cached_eager_step_trains_like_int_conv2d(layout, monkeypatch):
         m.train()
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         with monkeypatch.context() as mp:
+            mp.setattr(conv_mod, "fused_conv", lambda *a, **k: None)  # (the fused op's own tests: below)
             if not cached:
                 mp.setattr(conv_mod, "conv_step", lambda *a, **k: None)  # int_conv2d on every call
             for x, y in zip(batches, targets):
@@ -268,6 +269,7 @@ def test_bn_fold_op_is_the_python_fold(affine, bias, k, frozen):
 
 def test_bn_fold_op_trains_like_the_python_fold(monkeypatch):
     """A few SGD steps of the ResNet-ish net: the C++ fold and the Python fold give the same parameters, bit for bit."""
+    import intqat.nn.conv as conv_mod
     from intqat.nn.conv import IntConv2d
 
     gen = torch.Generator().manual_seed(3)
@@ -283,6 +285,7 @@ def test_bn_fold_op_trains_like_the_python_fold(monkeypatch):
         m.train()
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         with monkeypatch.context() as mp:
+            mp.setattr(conv_mod, "fused_conv", lambda *a, **k: None)  # (the fold inside the fused op: below)
             if python_fold:
                 mp.setattr(IntConv2d, "_folded_eager", IntConv2d.folded)
             for x, y in zip(batches, targets):
@@ -311,3 +314,326 @@ def test_onednn_prepack_unit_scale_as_one_number():
             outs.append(torch.ops.onednn.qconv_pointwise(u8, 1.0, 131, packed, ones, zeros, None, [1, 1], [1, 1],
                                                          [1, 1], 1, 1.0, 0, torch.float32, "none", [], ""))
         assert torch.equal(outs[0], outs[1])
+
+
+# -- the observer, the BN fold and the conv step in one op call (conv_step.fused_conv, observed_int_conv2d) ------------
+
+FUSED_ACTIVATIONS = {  # observer flavours of the static activation quantizer (w8a8's per-channel min-max weights)
+    "asym8 moving average": {},
+    "asym8 minmax": {"observer": "minmax"},
+    "sym8 moving average": {"symmetric": True, "averaging_constant": 0.1},
+}
+
+
+@pytest.fixture
+def fused_count(monkeypatch):
+    """Counts fused_conv's calls that returned y; state["on"] False makes it hand every call back (the previous path:
+    integer_input, _folded_eager, conv_step)."""
+    import intqat.nn.conv as conv_mod
+
+    real = conv_mod.fused_conv
+    state = {"ran": 0, "on": True}
+
+    def spy(*args):
+        if not state["on"]:
+            return None
+        y = real(*args)
+        state["ran"] += y is not None
+        return y
+
+    monkeypatch.setattr(conv_mod, "fused_conv", spy)
+    return state
+
+
+class _SE(nn.Module):
+    """squeeze-excite's two 1x1 convs on a 1x1 map, with BN (as the bench's MBConv block)"""
+
+    def __init__(self, c=16, r=4):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.reduce = nn.Sequential(nn.Conv2d(c, r, 1, bias=False), nn.BatchNorm2d(r), nn.ReLU())
+        self.expand = nn.Sequential(nn.Conv2d(r, c, 1), nn.BatchNorm2d(c, affine=False))
+
+    def forward(self, x):
+        return x * torch.sigmoid(self.expand(self.reduce(self.pool(x))))
+
+
+def _fused_net(layout=torch.contiguous_format):
+    """9 convs: stem 3x3 s2 with BN, 1x1 expand with BN, depthwise 3x3 with BN, SE (1x1 with BN / with bias and a
+    non-affine BN), 3x3 with bias and no BN, 1x1 project with BN; then a linear head"""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(inplace=True),
+        nn.Conv2d(16, 16, 3, 1, 1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU(), _SE(16, 4),
+        nn.Conv2d(16, 12, 3, 1, 1), nn.ReLU(),
+        nn.Conv2d(12, 8, 1, bias=False), nn.BatchNorm2d(8),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).to(memory_format=layout)
+
+
+N_CONVS = 7
+
+
+def _fused_model(activation: dict, calibrate: bool = True, layout=torch.contiguous_format) -> nn.Module:
+    torch.manual_seed(0)
+    m = _fused_net(layout)
+    intqat.prepare_qat(m, {"preset": "w8a8", "activation": activation})
+    if calibrate:
+        intqat.calibrate(m, [torch.randn(4, 3, 12, 12).contiguous(memory_format=layout)])
+        intqat.to_integer(m)
+    else:
+        with pytest.warns(UserWarning, match="never observed data"):  # (said so; the first batch sets the scales)
+            intqat.to_integer(m)
+    return m.train()
+
+
+def _fused_batches(n=3, layout=torch.contiguous_format):
+    g = torch.Generator().manual_seed(1)
+    for i in range(n):
+        x = (torch.randn(4, 3, 12, 12, generator=g) * (1 + i)).contiguous(memory_format=layout)
+        yield x, torch.randint(0, 4, (4,), generator=g)
+
+
+def _fused_train(model, batches):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    grads = []
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _assert_same_state(a: nn.Module, b: nn.Module, grads_a, grads_b):
+    assert list(a.state_dict()) == list(b.state_dict())  # the same keys: nothing saved or renamed
+    for (k, t), u in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(t, u), k  # weights after the steps, BN statistics and every observer buffer
+    for step_a, step_b in zip(grads_a, grads_b):
+        for g, h in zip(step_a, step_b):
+            assert torch.equal(g, h)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("name", list(FUSED_ACTIVATIONS))
+def test_fused_conv_trains_like_the_three_calls_and_the_python_path(name, layout, fused_count):
+    """Three Adam steps of a small MBConv-like net (stem, expand, depthwise, SE with and without BN affine / bias, a
+    conv without BN, project): the same gradients, weights, BN statistics and observer buffers as integer_input +
+    _folded_eager + conv_step, and as the path with every C++ op off."""
+    import copy
+
+    fused = _fused_model(FUSED_ACTIVATIONS[name], layout=layout)
+    three_calls, python = copy.deepcopy(fused), copy.deepcopy(fused)
+    grads = _fused_train(fused, _fused_batches(layout=layout))
+    assert fused_count["ran"] == 3 * N_CONVS
+    fused_count["on"] = False
+    _assert_same_state(fused, three_calls, grads, _fused_train(three_calls, _fused_batches(layout=layout)))
+    with cpp_step.disabled():
+        _assert_same_state(fused, python, grads, _fused_train(python, _fused_batches(layout=layout)))
+
+
+def test_fused_conv_first_batch_initialises_the_observer(fused_count):
+    """Integer convs that never saw data: the fused op's first update sets the range and `initialized` (and the
+    Python flag, so the next batch averages), as integer_input does."""
+    import copy
+
+    fused = _fused_model({}, calibrate=False)
+    ref = copy.deepcopy(fused)
+    assert not fused[0].input_quantizer._initialized
+    grads = _fused_train(fused, _fused_batches(2))
+    assert fused_count["ran"] == 2 * N_CONVS and fused[0].input_quantizer._initialized
+    fused_count["on"] = False
+    _assert_same_state(fused, ref, grads, _fused_train(ref, _fused_batches(2)))
+
+
+def test_fused_conv_observer_off_and_eval_mode_use_the_kept_scale(fused_count):
+    """Training with the observer off (the op checks the batch only) and eval-mode training (nothing observed; BN
+    folded with running statistics either way): the same bits as the previous path, the buffers do not move."""
+    import copy
+
+    for mode in ("observer off", "eval"):
+        fused = _fused_model({})
+        if mode == "eval":
+            fused.eval()
+        else:
+            fused.apply(lambda m: m.enable_observer(False) if hasattr(m, "enable_observer") else None)
+        before = copy.deepcopy(fused.state_dict())
+        ref = copy.deepcopy(fused)
+        fused_count["on"], fused_count["ran"] = True, 0
+        grads = _fused_train(fused, _fused_batches(2))
+        assert fused_count["ran"] == 2 * N_CONVS, mode
+        for k, t in fused.state_dict().items():
+            if "input_quantizer" in k:
+                assert torch.equal(t, before[k]), (mode, k)
+        fused_count["on"] = False
+        _assert_same_state(fused, ref, grads, _fused_train(ref, _fused_batches(2)))
+
+
+def _one_conv(bn: bool = True):
+    """a 5 -> 7 3x3 IntConv2d (with BN) after one observed batch, training mode"""
+    from intqat.nn.conv import FakeQuantConv2d, IntConv2d
+
+    torch.manual_seed(0)
+    fq = FakeQuantConv2d.from_conv(nn.Conv2d(5, 7, 3, padding=1), "w8a8", bn=nn.BatchNorm2d(7) if bn else None)
+    fq.freeze_bn_stats()
+    fq.train()(torch.randn(2, 5, 6, 6))
+    return IntConv2d.from_fake_quant(fq).train()
+
+
+@pytest.mark.parametrize("observer_on", [True, False])
+def test_fused_conv_refuses_nan_or_inf_and_changes_nothing(observer_on, fused_count):
+    """The op hands the batch back untouched (observer buffers, BN statistics); the general path refuses it
+    (NonFiniteInputError)."""
+    import copy
+
+    from intqat.nn.quantizers import NonFiniteInputError
+
+    layer = _one_conv()
+    layer.input_quantizer.enable_observer(observer_on)
+    layer(torch.randn(2, 5, 6, 6))
+    assert fused_count["ran"] == 1
+    before = copy.deepcopy(layer.state_dict())
+    for value in (float("nan"), float("inf"), -float("inf")):
+        bad = torch.randn(2, 5, 6, 6)
+        bad[1, 2, 3, 4] = value
+        with pytest.raises(NonFiniteInputError):
+            layer(bad)
+        for k, t in layer.state_dict().items():
+            assert torch.equal(t, before[k]), k
+    assert fused_count["ran"] == 1
+
+
+def test_fused_conv_kept_range_not_finite_takes_the_general_path(fused_count):
+    """A loaded state holding inf: the op changes nothing and hands the call back; the result is the previous path's
+    (the tensor observer), NaN where it is NaN."""
+    import copy
+
+    layer = _one_conv()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 6, 6)
+    for m in (layer, ref):
+        m.input_quantizer.max_val.fill_(float("inf"))
+    y = layer(x)
+    assert fused_count["ran"] == 0
+    fused_count["on"] = False
+    y_ref = ref(x)
+    assert torch.equal(y, y_ref) or (y.isnan() == y_ref.isnan()).all()
+    for (k, t), u in zip(layer.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(t, u) or (t.isnan() == u.isnan()).all(), k
+
+
+@pytest.mark.parametrize("case", ["double BN", "no grad", "weight frozen, input needs grad", "no BN"])
+def test_fused_conv_cases_it_hands_back_or_takes(case, fused_count):
+    """A float64 BN (the Python fold's case) and a no-grad call are handed back / not taken, nothing changed; a frozen
+    weight with an input that needs its gradient, and a conv without BN, are taken: the same bits as the previous
+    path (y, grad_x, the buffers)."""
+    import copy
+
+    layer = _one_conv(bn=case != "no BN")
+    if case == "double BN":
+        layer.bn.double()
+    if case == "weight frozen, input needs grad":
+        layer.weight.requires_grad_(False)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 6, 6)
+    outs = []
+    for m, on in ((layer, True), (ref, False)):
+        fused_count["on"] = on
+        xa = x.clone().requires_grad_()
+        if case == "no grad":
+            with torch.no_grad():
+                y = m(xa)
+        else:
+            y = m(xa)
+            y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xa.grad, copy.deepcopy(m.state_dict())))
+    assert fused_count["ran"] == (1 if case in ("weight frozen, input needs grad", "no BN") else 0)
+    (y1, g1, s1), (y2, g2, s2) = outs
+    assert torch.equal(y1, y2) and (g1 is None) == (g2 is None) and (g1 is None or torch.equal(g1, g2))
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+
+
+def test_fused_conv_checkpointing_checks_without_observing_again(fused_count):
+    """The backward's recompute runs the op in its check mode (no second observer update): the same gradients and
+    buffers as the step without checkpointing."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    plain = _fused_model({})
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(4, 3, 12, 12) * 3
+    plain(x).square().sum().backward()
+    checkpoint(ckpt, x, use_reentrant=False).square().sum().backward()
+    assert fused_count["ran"] == 3 * N_CONVS  # the plain step, the checkpointed forward, its recompute (check mode)
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    for (k, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_fused_conv_records_what_the_three_calls_record(fused_count):
+    """backends.recording() counts the same (primitive, backend) pairs: the bench's `backends` column is unchanged."""
+    import copy
+
+    fused = _fused_model({})
+    ref = copy.deepcopy(fused)
+    x, y = next(_fused_batches(1))
+    with backends.recording() as got:
+        nn.functional.cross_entropy(fused(x), y).backward()
+    fused_count["on"] = False
+    with backends.recording() as want:
+        nn.functional.cross_entropy(ref(x), y).backward()
+    assert got == want and got[("conv_step", "cpp_step")] == N_CONVS
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.1, 0.0])
+def test_fold_loop_is_the_aten_expression(eps):
+    """BnFold's one-loop forward (fold_values) against the aten expression it replaces, bit for bit, over running
+    variances from 1e-30 to 1e30 (and 0), large and tiny gammas, means and biases: w_fold, b_fold."""
+    from intqat.nn.conv import IntConv2d
+
+    gen = torch.Generator().manual_seed(int(eps * 1e6))
+    O = 4096
+    conv, bn = nn.Conv2d(3, O, 1), nn.BatchNorm2d(O, eps=eps)
+    mag = lambda lo, hi: torch.exp2(torch.randint(lo, hi, (O,), generator=gen).float())  # noqa: E731
+    with torch.no_grad():
+        bn.running_var.copy_(torch.rand(O, generator=gen) * mag(-100, 100))
+        bn.running_var[:8] = 0.0
+        bn.running_mean.copy_(torch.randn(O, generator=gen) * mag(-60, 60))
+        bn.weight.copy_(torch.randn(O, generator=gen) * mag(-40, 40))
+        bn.bias.copy_(torch.randn(O, generator=gen) * mag(-40, 40))
+        conv.bias.copy_(torch.randn(O, generator=gen) * mag(-40, 40))
+        conv.weight.copy_(torch.randn(O, 3, 1, 1, generator=gen) * mag(-20, 20).reshape(-1, 1, 1, 1))
+    m = IntConv2d.from_fake_quant(intqat.nn.FakeQuantConv2d.from_conv(conv, "w8a8", bn=bn))
+    w1, b1 = m._folded_eager()
+    w2, b2 = m.folded()
+    for a, b in ((w1, w2), (b1, b2)):
+        assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32))
+
+
+@pytest.mark.parametrize("asked", [("x",), ("weight",), ("gamma",), ("beta",), ("bias",), ("x", "gamma"),
+                                   ("x", "weight", "bias", "gamma", "beta")])
+def test_fused_conv_one_node_gives_the_asked_gradients_of_the_two(asked, fused_count):
+    """With BN, the fused op's fold and conv are one autograd node (FoldedConvTrain): torch.autograd.grad of any subset
+    of (x, W, b, gamma, beta) gives the two nodes' (bn_fold, then int_conv2d) values bit for bit, and, like them,
+    nothing for the inputs not asked."""
+    import copy
+
+    layer = _one_conv()
+    ref = copy.deepcopy(layer)
+    x = torch.randn(2, 5, 6, 6)
+    g = torch.randn(2, 7, 6, 6)
+    got = []
+    for m, on in ((layer, True), (ref, False)):
+        fused_count["on"] = on
+        xa = x.clone().requires_grad_()
+        named = {"x": xa, "weight": m.weight, "bias": m.bias, "gamma": m.bn.weight, "beta": m.bn.bias}
+        y = m(xa)
+        got.append((y.detach(), torch.autograd.grad(y, [named[k] for k in asked], g)))
+        assert ("FoldedConvTrain" in y.grad_fn.name()) == on
+    assert fused_count["ran"] == 1
+    (y1, g1), (y2, g2) = got
+    assert torch.equal(y1, y2)
+    for k, a, b in zip(asked, g1, g2):
+        assert torch.equal(a, b), k

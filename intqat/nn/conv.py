@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from intqat.config import QuantConfig, resolve_config
 from intqat.nn.quantizers import ActivationQuantizer, WeightQuantizer, full_tensor
-from intqat.nn.conv_step import conv_step
+from intqat.nn.conv_step import conv_step, fused_conv
 from intqat.nn.linear import in_input_dtype
 from intqat.ops import backends, cpp_step
 from intqat.ops.int_conv2d import conv_codes_forward, int_conv2d
@@ -183,6 +183,10 @@ class IntConv2d(_QuantConvBase):
 
     def forward(self, input: Tensor) -> Tensor:  # `input`, like nn.Linear / nn.Conv2d: layer(input=x) works
         x = input
+        if type(self) is IntConv2d:  # (a subclass, such as a parametrized layer's, may read its tensors otherwise)
+            y = fused_conv(self, x)  # observer, BN fold and the C++ step in one op call, decided once per input shape
+            if y is not None:
+                return y
         aq = self.input_quantizer
         aq.integer_input(x)  # observes (while observing), refuses NaN / inf in training, checks the scale
         autograd = _wants_autograd(x, self.weight)

@@ -49,14 +49,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
+#include <tuple>
 #include <vector>
 
 #include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
 #include "nchw_layout.h"  // intqat_transpose_f32 (one block; the batches and the fused passes are fused.c's)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
+#include "observe.h"  // intqat::train::observe_update, one_float (observed_int_conv2d's observer; read only)
 #include "scratch.h"  // intqat::scratch
 
 extern "C" {  // fused.c
+void intqat_minmax(const float *x, int64_t n, float *out);
 void intqat_quantize_rows(const float *x, int64_t rows, int64_t cols, const float *scale, int64_t scale_stride,
                           float z, float qmin, float qmax, int8_t *out, uint8_t *mask, int32_t *rowsum);
 void intqat_quantize_rows_dynamic(const float *x, int64_t rows, int64_t cols, float qmin, float qmax, float eps,
@@ -494,6 +497,20 @@ at::Tensor forward_codes(const at::Tensor &q_x, int32_t z, const at::Tensor &s_x
     return y.reshape({B, Ho, Wo, O}).permute({0, 3, 1, 2});  // the output takes the input's memory format
 }
 
+/* an empty uint8 bits tensor: no clip mask (the backward's masked_like skips it) */
+at::Tensor no_bits() { return at::empty({0}, at::TensorOptions().dtype(at::kByte)); }
+
+/* IntConv2dTrain's backward options, as its forward saved them ("conf") */
+struct Conf {
+    int32_t z;
+    std::vector<int64_t> stride, padding, dilation;
+    int64_t groups;
+    bool has_bias, digits_x, digits_w, digits_amx;
+    explicit Conf(const std::vector<int64_t> &c)
+        : z((int32_t)c[0]), stride{c[1], c[2]}, padding{c[3], c[4]}, dilation{c[5], c[6]}, groups(c[7]),
+          has_bias(c[8] != 0), digits_x(c[9] != 0), digits_w(c[10] != 0), digits_amx(c[11] != 0) {}
+};
+
 struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
     static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
                               const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
@@ -502,13 +519,30 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                               std::vector<int64_t> dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax,
                               int64_t w_qmin, int64_t w_qmax, bool w_clip_mask, int64_t gemm, bool digits_x,
                               bool digits_w, bool digits_amx, double w_eps) {
+        return forward_impl(ctx, x, weight, bias_in, w_scale, x_scale, x_zero_point, stride, padding, dilation, groups,
+                            x_qmin, x_qmax, w_qmin, w_qmax, w_clip_mask, gemm, digits_x, digits_w, digits_amx, w_eps,
+                            {});
+    }
+
+    /* the forward, saving its six tensors and then `more` (FoldedConvTrain's fold state) */
+    static at::Tensor forward_impl(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                                   const c10::optional<at::Tensor> &bias_in, const c10::optional<at::Tensor> &w_scale,
+                                   double x_scale, int64_t x_zero_point, const std::vector<int64_t> &stride,
+                                   const std::vector<int64_t> &padding, const std::vector<int64_t> &dilation,
+                                   int64_t groups, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin, int64_t w_qmax,
+                                   bool w_clip_mask, int64_t gemm, bool digits_x, bool digits_w, bool digits_amx,
+                                   double w_eps, std::vector<at::Tensor> more) {
         TORCH_CHECK(x.dim() == 4 && x.scalar_type() == at::kFloat && weight.dim() == 4,
                     "intqat_train::int_conv2d: x (B, C, H, W) float32 and a 4-D weight");
+        TORCH_CHECK(stride.size() == 2 && padding.size() == 2 && dilation.size() == 2,
+                    "intqat_train::int_conv2d: stride, padding and dilation are pairs");
         const auto f32 = at::TensorOptions().dtype(at::kFloat);
         const int32_t z = (int32_t)x_zero_point;
         const int64_t O = weight.size(0);
         // x: codes and clip mask in x's layout (int_conv2d._quantize_input: quantize_with_mask, one scale)
-        const at::Tensor s_x = at::full({1, 1}, x_scale, f32);
+        // s_x (1, 1): at::full's (float)x_scale without its dispatched fill_
+        const at::Tensor s_x = at::empty({1, 1}, f32);
+        *s_x.data_ptr<float>() = (float)x_scale;
         const at::Tensor xd = dense(x) ? x : x.contiguous();
         // (one pass: the codes, and the clip mask as bits in the codes' memory order, as packed_bits of the bool mask)
         at::Tensor q_x = at::empty_like(xd, at::kChar);
@@ -518,7 +552,11 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                                  (float)x_qmax, q_x.data_ptr<int8_t>(), bits_x.data_ptr<uint8_t>());
         // W: per output channel, codes + mask + colsum in one pass (quantize_weight of the (O, C/g*kh*kw) rows; the bool
         // mask dies in its packing: scratch)
-        const at::Tensor w2 = weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
+        // (a float32 contiguous weight, every step's case, is read in place: detach / reshape / to / contiguous are four
+        // dispatched ops that would return its memory anyway)
+        const at::Tensor w2 = weight.scalar_type() == at::kFloat && weight.is_contiguous() && O
+                                  ? weight : weight.detach().reshape({O, -1}).to(at::kFloat).contiguous();
+        const int64_t w_cols = O ? w2.numel() / O : 0;
         // w_scale None: the min-max scale per output channel (intqat.nn.conv_step: what WeightQuantizer.channel_scale
         // returns for such a layer, minmax_weight_scale), made with the codes and colsum in one pass by
         // intqat_quantize_rows_dynamic (the linear step's weight pass: max |w| / qmax floored at eps, 1 / s, the same
@@ -528,57 +566,61 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
                     "must be > 0");
         const bool clip_mask = given && w_clip_mask;
         const at::Tensor s_w = given ? w_scale->detach().reshape({-1}).to(at::kFloat).contiguous() : at::empty({O}, f32);
-        at::Tensor q_w = at::empty_like(w2, at::kChar);
-        at::Tensor mask_w = clip_mask ? intqat::scratch("mask_w", w2.sizes(), at::kBool)
-                                      : at::empty({0}, at::TensorOptions().dtype(at::kBool));
+        at::Tensor q_w = at::empty(weight.sizes(), at::TensorOptions().dtype(at::kChar));
+        at::Tensor mask_w = clip_mask ? intqat::scratch("mask_w", {O, w_cols}, at::kBool) : at::Tensor();
         at::Tensor colsum = at::empty({O}, at::TensorOptions().dtype(at::kInt));
         if (w2.numel() && given)
-            intqat_quantize_rows(w2.data_ptr<float>(), O, w2.size(1), s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
+            intqat_quantize_rows(w2.data_ptr<float>(), O, w_cols, s_w.data_ptr<float>(), 1, 0.0f, (float)w_qmin,
                                  (float)w_qmax, q_w.data_ptr<int8_t>(),
                                  clip_mask ? (uint8_t *)mask_w.data_ptr() : nullptr, colsum.data_ptr<int32_t>());
         else if (w2.numel())
-            intqat_quantize_rows_dynamic(w2.data_ptr<float>(), O, w2.size(1), (float)w_qmin, (float)w_qmax,
+            intqat_quantize_rows_dynamic(w2.data_ptr<float>(), O, w_cols, (float)w_qmin, (float)w_qmax,
                                          (float)w_eps, q_w.data_ptr<int8_t>(), s_w.data_ptr<float>(),
                                          colsum.data_ptr<int32_t>());
         else {
             colsum.zero_();
             if (!given) s_w.fill_(w_eps);  // (no weights: max |w| is 0, the scale its floor)
         }
-        q_w = q_w.reshape(weight.sizes());
         if (clip_mask) mask_w = mask_w.reshape(weight.sizes());
-        const at::Tensor bias = bias_in.has_value() && bias_in->defined()
-                                    ? bias_in->detach().to(at::kFloat).contiguous() : at::Tensor();
+        at::Tensor bias;  // (read through its data: a float32 contiguous bias in place)
+        if (bias_in.has_value() && bias_in->defined())
+            bias = bias_in->scalar_type() == at::kFloat && bias_in->is_contiguous()
+                       ? *bias_in : bias_in->detach().to(at::kFloat).contiguous();
         at::Tensor y = forward_codes(q_x, z, s_x, q_w, colsum, s_w, bias, stride, padding, dilation, groups, gemm);
-        ctx->save_for_backward({q_x, bits_x, q_w, packed_bits(mask_w), s_x, s_w});
-        ctx->saved_data["z"] = (int64_t)z;
-        ctx->saved_data["stride"] = stride;
-        ctx->saved_data["padding"] = padding;
-        ctx->saved_data["dilation"] = dilation;
-        ctx->saved_data["groups"] = groups;
-        ctx->saved_data["has_bias"] = bias.defined();
-        ctx->saved_data["digits_x"] = digits_x && groups == 1;
-        ctx->saved_data["digits_w"] = digits_w && groups == 1;
-        ctx->saved_data["digits_amx"] = digits_amx;
+        more.insert(more.begin(), {q_x, bits_x, q_w, clip_mask ? packed_bits(mask_w) : no_bits(), s_x, s_w});
+        ctx->save_for_backward(more);
+        // the backward's options as one int list (one map entry instead of nine: each a string-keyed insert and the
+        // lists an IValue allocation), read back by Conf
+        ctx->saved_data["conf"] = std::vector<int64_t>{
+            (int64_t)z, stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1], groups,
+            bias.defined(), digits_x && groups == 1, digits_w && groups == 1, digits_amx};
         return not_a_view(y);
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         variable_list out(20);  // one per forward input; x, weight, bias get gradients
-        at::Tensor g = grads[0];
+        const at::Tensor &g = grads[0];
         if (!g.defined()) return out;
-        g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
-        auto saved = ctx->get_saved_variables();
-        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
-                         &s_w = saved[5];
-        const bool has_bias = ctx->saved_data["has_bias"].toBool();
+        const auto saved = ctx->get_saved_variables();
+        const Conf conf(ctx->saved_data["conf"].toIntVector());
         // (edges: x, weight, then bias only when given)
         const bool need_x = ctx->needs_input_grad(0), need_w = ctx->needs_input_grad(1),
-                   need_b = has_bias && ctx->needs_input_grad(2);
-        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
-        const auto stride = ctx->saved_data["stride"].toIntVector(), padding = ctx->saved_data["padding"].toIntVector(),
-                   dilation = ctx->saved_data["dilation"].toIntVector();
-        const bool amx = ctx->saved_data["digits_amx"].toBool();
-        const bool dx = need_x && ctx->saved_data["digits_x"].toBool(), dw = need_w && ctx->saved_data["digits_w"].toBool();
+                   need_b = conf.has_bias && ctx->needs_input_grad(2);
+        backward_impl(g, saved, conf, need_x, need_w, need_b, out[0], out[1], out[2]);
+        return out;
+    }
+
+    /* grad_x, grad_w, grad_b (those asked; the clip masks applied) from g and the saved state */
+    static void backward_impl(at::Tensor g, const variable_list &saved, const Conf &conf, bool need_x, bool need_w,
+                              bool need_b, at::Tensor &out_x, at::Tensor &out_w, at::Tensor &out_b) {
+        g = g.to(at::kFloat);  // any layout: convolution_backward takes channels_last as it comes
+        const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
+                         &s_w = saved[5];
+        const bool has_bias = conf.has_bias;
+        const int32_t z = conf.z;
+        const std::vector<int64_t> &stride = conf.stride, &padding = conf.padding, &dilation = conf.dilation;
+        const bool amx = conf.digits_amx;
+        const bool dx = need_x && conf.digits_x, dw = need_w && conf.digits_w;
         at::Tensor gx, gw, gb;
         bool want_b = need_b;
         if (dx || dw) {  // int_conv2d._digit_grads
@@ -612,7 +654,7 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
             }
         }
         const bool fx = need_x && !gx.defined(), fw = need_w && !gw.defined();
-        const int64_t groups = ctx->saved_data["groups"].toInt();
+        const int64_t groups = conf.groups;
         if ((fx || fw || want_b) && q_w.size(1) == 1 && q_w.size(0) == groups) {
             // depthwise: int_conv2d._backward's depthwise_grad on cpu_fused (the plan checked it runs there)
             const int64_t B = q_x.size(0), C = q_x.size(1), H = q_x.size(2), W = q_x.size(3), Ho = g.size(2),
@@ -676,10 +718,9 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
             if (fw) gw = std::get<1>(r);
             if (want_b) gb = std::get<2>(r);
         }
-        if (need_x) out[0] = masked_like(gx, bits_x, q_x);
-        if (need_w) out[1] = masked_like(gw, bits_w, q_w);
-        if (need_b) out[2] = gb;
-        return out;
+        if (need_x) out_x = masked_like(gx, bits_x, q_x);
+        if (need_w) out_w = masked_like(gw, bits_w, q_w);
+        if (need_b) out_b = gb;
     }
 };
 
@@ -692,46 +733,243 @@ struct IntConv2dTrain : public torch::autograd::Function<IntConv2dTrain> {
  *     w_fold = W * sf[o]            b_fold = beta + (b - running_mean) * sf     (b, beta: zeros when absent)
  * backward (g_w, g_b): W: g_w * sf[o];  b: g_b * sf;  beta: g_b;
  *     gamma: (sum_to(g_w * W, (O, 1, 1, 1)) + g_b * (b - running_mean)) * r   (a sum of two terms: either order) */
+/* BnFold's forward values for float32 contiguous tensors in one loop: (r, sf, w_fold, u, b_fold), each element what
+ * the aten expression below computes (r = rsqrt(running_var + eps), sf = gamma * r, w = W * sf[o], u = b -
+ * running_mean, b_fold = beta + u * sf), because every step is one float32 operation in both: aten's float kernels
+ * round each +, -, * once (its add / sub with alpha 1 is a fused multiply-add by 1, exact before its one rounding), the
+ * scalar eps enters as a float32, rsqrt is 1 / sqrt with both correctly rounded (Vectorized<float>::rsqrt and the
+ * scalar loop alike); absent gamma / b / beta are ones / zeros, so 1 * r and 0 - running_mean literally; this file is
+ * compiled with -ffp-contract=off (no FMA). Why: the aten expression is 10 dispatched ops and 10 allocations, ~15-18 us
+ * a conv and step on Zen 4 (1 thread) for O <= a few hundred values; this loop, under 1 us.
+ * tests/test_conv_nchw_step.py compares it with the aten expression bit for bit (also against folded()). */
+/* dst[k] = src[k] * s, k < n (vectorized: -O2 alone leaves it scalar, ~10 us at a 64x64x3x3 weight; each product is
+ * one rounding either way) */
+__attribute__((optimize("O3"))) void scale_row(const float *__restrict src, float s, float *__restrict dst,
+                                                int64_t n) {
+    for (int64_t k = 0; k < n; ++k) dst[k] = src[k] * s;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fold_values(
+    const at::Tensor &weight, const float *bias, const float *gamma, const float *beta, const at::Tensor &running_mean,
+    const at::Tensor &running_var, double eps) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t O = weight.size(0), per = O ? weight.numel() / O : 0;
+    at::Tensor r = at::empty({O}, f32), sf = at::empty({O}, f32), u = at::empty({O}, f32), b = at::empty({O}, f32);
+    at::Tensor w = at::empty(weight.sizes(), f32);
+    const float *rm = running_mean.data_ptr<float>(), *rv = running_var.data_ptr<float>(),
+                *wt = weight.data_ptr<float>();
+    float *rp = r.data_ptr<float>(), *sp = sf.data_ptr<float>(), *up = u.data_ptr<float>(), *bp = b.data_ptr<float>(),
+          *wp = w.data_ptr<float>();
+    const float e = (float)eps;
+    for (int64_t o = 0; o < O; ++o) {
+        const float v = rv[o] + e;
+        const float ro = 1.0f / std::sqrt(v);
+        const float s = (gamma ? gamma[o] : 1.0f) * ro;
+        rp[o] = ro;
+        sp[o] = s;
+        const float uo = (bias ? bias[o] : 0.0f) - rm[o];
+        up[o] = uo;
+        const float t = uo * s;
+        bp[o] = (beta ? beta[o] : 0.0f) + t;
+        scale_row(wt + o * per, s, wp + o * per, per);
+    }
+    return {r, sf, w, u, b};
+}
+
+/* The fold's forward: {w_fold, b_fold, then what its backward reads: sf4, sf, u, r} (BnFold's aten expression; for
+ * float32 contiguous tensors its one-loop twin fold_values) */
+std::vector<at::Tensor> fold_forward(const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                                     const c10::optional<at::Tensor> &gamma, const c10::optional<at::Tensor> &beta,
+                                     const at::Tensor &running_mean, const at::Tensor &running_var, double eps) {
+    const bool has_b = bias.has_value() && bias->defined(), has_gamma = gamma.has_value() && gamma->defined(),
+               has_beta = beta.has_value() && beta->defined();
+    const auto plain = [&](const at::Tensor &t) {  // float32, contiguous, one value per output channel
+        return t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 && t.size(0) == weight.size(0);
+    };
+    at::Tensor r, sf, sf4, w, u, b;
+    if (weight.scalar_type() == at::kFloat && weight.is_contiguous() && plain(running_var) && plain(running_mean) &&
+        (!has_b || plain(*bias)) && (!has_gamma || plain(*gamma)) && (!has_beta || plain(*beta))) {
+        std::tie(r, sf, w, u, b) = fold_values(weight, has_b ? bias->data_ptr<float>() : nullptr,
+                                               has_gamma ? gamma->data_ptr<float>() : nullptr,
+                                               has_beta ? beta->data_ptr<float>() : nullptr, running_mean, running_var,
+                                               eps);
+        sf4 = sf.view({-1, 1, 1, 1});
+    } else {  // (other dtypes or layouts, e.g. a channels_last weight: the aten expression itself)
+        r = at::rsqrt(running_var + eps);
+        sf = (has_gamma ? *gamma : at::ones_like(running_var)) * r;
+        sf4 = sf.reshape({-1, 1, 1, 1});
+        w = weight * sf4;
+        u = (has_b ? *bias : at::zeros_like(sf)) - running_mean;
+        b = (has_beta ? *beta : at::zeros_like(sf)) + u * sf;
+    }
+    return {w, b, sf4, sf, u, r};
+}
+
+/* The fold's backward from (g_w, g_b) (either may be undefined): the gradients of W, b, gamma, beta asked for (need_*),
+ * from the saved weight, sf4, sf, u, r (MulBackward0 / AddBackward0 / SubBackward0 and at::sum_to's calls) */
+void fold_backward(const at::Tensor &g_w, const at::Tensor &g_b, const at::Tensor &weight, const at::Tensor &sf4,
+                   const at::Tensor &sf, const at::Tensor &u, const at::Tensor &r, bool need_w, bool need_b,
+                   bool need_gamma, bool need_beta, at::Tensor &out_w, at::Tensor &out_b, at::Tensor &out_gamma,
+                   at::Tensor &out_beta) {
+    if (need_w && g_w.defined()) out_w = g_w * sf4;
+    if (need_b && g_b.defined()) out_b = g_b * sf;
+    if (need_gamma) {
+        at::Tensor g_sf;
+        if (g_w.defined()) g_sf = at::sum_to(g_w * weight, sf4.sizes()).reshape(sf.sizes());
+        if (g_b.defined()) g_sf = g_sf.defined() ? g_sf + g_b * u : g_b * u;
+        if (g_sf.defined()) out_gamma = g_sf * r;
+    }
+    if (need_beta && g_b.defined()) out_beta = g_b;
+}
+
 struct BnFold : public torch::autograd::Function<BnFold> {
     static variable_list forward(AutogradContext *ctx, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                                  const c10::optional<at::Tensor> &gamma, const c10::optional<at::Tensor> &beta,
                                  const at::Tensor &running_mean, const at::Tensor &running_var, double eps) {
-        const bool has_b = bias.has_value() && bias->defined(), has_gamma = gamma.has_value() && gamma->defined(),
-                   has_beta = beta.has_value() && beta->defined();
-        const at::Tensor r = at::rsqrt(running_var + eps);
-        const at::Tensor sf = (has_gamma ? *gamma : at::ones_like(running_var)) * r;
-        const at::Tensor sf4 = sf.reshape({-1, 1, 1, 1});
-        at::Tensor w = weight * sf4;
-        const at::Tensor u = (has_b ? *bias : at::zeros_like(sf)) - running_mean;
-        at::Tensor b = (has_beta ? *beta : at::zeros_like(sf)) + u * sf;
-        ctx->save_for_backward({weight, sf4, sf, u, r});
-        ctx->saved_data["has_b"] = has_b;
-        ctx->saved_data["has_gamma"] = has_gamma;
-        ctx->saved_data["has_beta"] = has_beta;
-        return {w, b};
+        const std::vector<at::Tensor> f = fold_forward(weight, bias, gamma, beta, running_mean, running_var, eps);
+        ctx->save_for_backward({weight, f[2], f[3], f[4], f[5]});
+        ctx->saved_data["has_b"] = bias.has_value() && bias->defined();
+        ctx->saved_data["has_gamma"] = gamma.has_value() && gamma->defined();
+        ctx->saved_data["has_beta"] = beta.has_value() && beta->defined();
+        return {f[0], f[1]};
     }
 
     static variable_list backward(AutogradContext *ctx, variable_list grads) {
         variable_list out(7);
-        const at::Tensor &g_w = grads[0], &g_b = grads[1];
         auto saved = ctx->get_saved_variables();
-        const at::Tensor &weight = saved[0], &sf4 = saved[1], &sf = saved[2], &u = saved[3], &r = saved[4];
         // (needs_input_grad counts edges: the optional inputs that were given only, in order)
         const bool has_b = ctx->saved_data["has_b"].toBool(), has_gamma = ctx->saved_data["has_gamma"].toBool(),
                    has_beta = ctx->saved_data["has_beta"].toBool();
         const size_t e_gamma = 1 + has_b, e_beta = 1 + has_b + has_gamma;
-        if (ctx->needs_input_grad(0) && g_w.defined()) out[0] = g_w * sf4;
-        if (has_b && ctx->needs_input_grad(1) && g_b.defined()) out[1] = g_b * sf;
-        if (has_gamma && ctx->needs_input_grad(e_gamma)) {
-            at::Tensor g_sf;
-            if (g_w.defined()) g_sf = at::sum_to(g_w * weight, sf4.sizes()).reshape(sf.sizes());
-            if (g_b.defined()) g_sf = g_sf.defined() ? g_sf + g_b * u : g_b * u;
-            if (g_sf.defined()) out[2] = g_sf * r;
-        }
-        if (has_beta && ctx->needs_input_grad(e_beta) && g_b.defined()) out[3] = g_b;
+        fold_backward(grads[0], grads[1], saved[0], saved[1], saved[2], saved[3], saved[4], ctx->needs_input_grad(0),
+                      has_b && ctx->needs_input_grad(1), has_gamma && ctx->needs_input_grad(e_gamma),
+                      has_beta && ctx->needs_input_grad(e_beta), out[0], out[1], out[2], out[3]);
         return out;
     }
 };
+
+/* The BN fold and the conv step as one autograd node (observed_int_conv2d's, with BN): BnFold's forward, then
+ * IntConv2dTrain's on (w_fold, b_fold); backward: IntConv2dTrain's for (x, w_fold, b_fold), then BnFold's on those.
+ * The same calls on the same tensors as the two nodes (one node's gradient reaches the other unchanged: the engine
+ * hands a lone gradient on as it is), so the same bits; what it saves is a node: its Function::apply (edges, saved
+ * variables, output wrapping) and its turn in the engine, ~10 us a conv and step on Zen 4 (1 thread).
+ * Which gradients the conv computes follows the two nodes' rule: grad w_fold and grad b_fold whenever any input of
+ * the fold needs one (the fold's outputs need a gradient when any of its inputs does). */
+struct FoldedConvTrain : public torch::autograd::Function<FoldedConvTrain> {
+    static at::Tensor forward(AutogradContext *ctx, const at::Tensor &x, const at::Tensor &weight,
+                              const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &gamma,
+                              const c10::optional<at::Tensor> &beta, const at::Tensor &running_mean,
+                              const at::Tensor &running_var, double bn_eps, double x_scale, int64_t x_zero_point,
+                              std::vector<int64_t> stride, std::vector<int64_t> padding, std::vector<int64_t> dilation,
+                              int64_t groups, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin, int64_t w_qmax,
+                              int64_t gemm, bool digits_x, bool digits_w, bool digits_amx, double w_eps) {
+        TORCH_CHECK(weight.dim() == 4 && running_var.dim() == 1 && running_var.size(0) == weight.size(0),
+                    "intqat_train::observed_int_conv2d: weight (O, C/g, kh, kw) and (O,) statistics, got ",
+                    weight.sizes(), " and ", running_var.sizes());
+        const std::vector<at::Tensor> f = fold_forward(weight, bias, gamma, beta, running_mean, running_var, bn_eps);
+        ctx->saved_data["fold"] = std::vector<int64_t>{bias.has_value() && bias->defined(),
+                                                       gamma.has_value() && gamma->defined(),
+                                                       beta.has_value() && beta->defined()};
+        // (saved after the conv's six: weight, sf4, sf, u, r)
+        return IntConv2dTrain::forward_impl(ctx, x, f[0], f[1], c10::nullopt, x_scale, x_zero_point, stride, padding,
+                                            dilation, groups, x_qmin, x_qmax, w_qmin, w_qmax, /*w_clip_mask=*/false,
+                                            gemm, digits_x, digits_w, digits_amx, w_eps,
+                                            {weight, f[2], f[3], f[4], f[5]});
+    }
+
+    static variable_list backward(AutogradContext *ctx, variable_list grads) {
+        variable_list out(24);  // one per forward input; x, weight, bias, gamma, beta get gradients
+        const at::Tensor &g = grads[0];
+        if (!g.defined()) return out;
+        const auto saved = ctx->get_saved_variables();
+        const Conf conf(ctx->saved_data["conf"].toIntVector());
+        const auto fold = ctx->saved_data["fold"].toIntVector();
+        const bool has_b = fold[0] != 0, has_gamma = fold[1] != 0, has_beta = fold[2] != 0;
+        // edges: x, weight, then bias / gamma / beta when given, running_mean, running_var
+        const size_t e_b = 2, e_gamma = 2 + has_b, e_beta = e_gamma + has_gamma, e_mean = e_beta + has_beta;
+        const bool need_w = ctx->needs_input_grad(1), need_b = has_b && ctx->needs_input_grad(e_b),
+                   need_gamma = has_gamma && ctx->needs_input_grad(e_gamma),
+                   need_beta = has_beta && ctx->needs_input_grad(e_beta);
+        const bool need_fold = need_w || need_b || need_gamma || need_beta || ctx->needs_input_grad(e_mean) ||
+                               ctx->needs_input_grad(e_mean + 1);
+        at::Tensor g_w, g_b;
+        IntConv2dTrain::backward_impl(g, saved, conf, ctx->needs_input_grad(0), need_fold, need_fold && conf.has_bias,
+                                      out[0], g_w, g_b);
+        fold_backward(g_w, g_b, saved[6], saved[7], saved[8], saved[9], saved[10], need_w, need_b, need_gamma,
+                      need_beta, out[1], out[2], out[3], out[4]);
+        return out;
+    }
+};
+
+enum Observe : int64_t {  // (cpp_step.OBSERVE_*: train_linear.cpp's values)
+    NOTHING = 0 /* eval-mode training: the kept scale */,
+    CHECK = 1 /* training, observer off: refuse NaN / inf (the general path raises) */,
+    UPDATE = 2 /* training, observing: observe_update, then the updated scale */
+};
+
+/* IntConv2d's eager training call in one op (intqat/nn/conv_step.py's fused_conv decides when): its static activation
+ * observer (observe.h: what ActivationQuantizer.integer_input runs, min-max or moving average; observer off: the
+ * NaN / inf check; eval mode: nothing), the BN fold (BnFold: _folded_eager's op; no running_var: no BN) and the conv
+ * step (IntConv2dTrain with w_scale None: the min-max scale per output channel) on the scale and zero point the
+ * observer leaves. x (B, C, H, W) fp32 -> y (B, O, Ho, Wo).
+ *
+ * Why: on Zen 4 (1 thread, 2026-12-07) the three calls and the Python around them cost ~60 us of a small conv's
+ * ~100 us training forward (SE's 128 -> 8 at 1x1): observer 11-12, fold 23, conv_step's key and call ~15 beyond the
+ * op, about what fp32's whole conv + BN forward takes.
+ *
+ * The same bits as the three calls: min / max of x in the memory order observe_minmax_ reads (x.contiguous()), the
+ * same update, s_x = float(scale) and z = round(clamp(float(zero_point), qmin, qmax)) as conv_step's
+ * rounded_zero_point_int, then the same two autograd ops on the same tensors (a fold node and a conv node, as
+ * before). Returns an empty (0,) tensor, having changed nothing, where the general path must run: a batch holding
+ * NaN / inf (it raises), a kept range or scale / zero point that is not finite, buffers that are not one float32
+ * element each, a BN or conv tensor that is not float32 on the CPU (the general path folds in Python then). */
+at::Tensor observed_int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
+                               const c10::optional<at::Tensor> &gamma, const c10::optional<at::Tensor> &beta,
+                               const c10::optional<at::Tensor> &running_mean,
+                               const c10::optional<at::Tensor> &running_var, double bn_eps, at::Tensor &min_val,
+                               at::Tensor &max_val, at::Tensor &scale, at::Tensor &zero_point, at::Tensor &initialized,
+                               int64_t observe, bool first, bool moving_average, double averaging_constant,
+                               bool symmetric, at::IntArrayRef stride, at::IntArrayRef padding,
+                               at::IntArrayRef dilation, int64_t groups, int64_t x_qmin, int64_t x_qmax, int64_t w_qmin,
+                               int64_t w_qmax, int64_t gemm, bool digits_x, bool digits_w, bool digits_amx,
+                               double eps) {
+    using intqat::train::one_float;
+    const auto none = [] { return at::empty({0}, at::TensorOptions().dtype(at::kFloat)); };
+    const auto f32_cpu = [](const c10::optional<at::Tensor> &t) {  // absent, or float32 on the CPU
+        return !(t.has_value() && t->defined()) || (t->scalar_type() == at::kFloat && t->device().is_cpu());
+    };
+    if (!(x.dim() == 4 && x.numel() > 0 && x.scalar_type() == at::kFloat && x.device().is_cpu() &&
+          weight.scalar_type() == at::kFloat && weight.device().is_cpu() && f32_cpu(bias) && f32_cpu(gamma) &&
+          f32_cpu(beta) && f32_cpu(running_mean) && f32_cpu(running_var)))
+        return none();
+    if (!(one_float(min_val) && one_float(max_val) && one_float(scale) && one_float(zero_point)) ||
+        scale.requires_grad() || zero_point.requires_grad())
+        return none();  // (a scale with a gradient is the Python path's, as conv_step's check)
+    const bool bn = running_var.has_value() && running_var->defined();
+    TORCH_CHECK(!bn || (running_mean.has_value() && running_mean->defined()),
+                "intqat_train::observed_int_conv2d: running_var without running_mean");
+    if (observe != NOTHING) {
+        // observe_minmax_'s read: x.contiguous() (the same elements in the same order, so the same min / max bits)
+        const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
+        float mm[2];
+        intqat_minmax(xc.data_ptr<float>(), xc.numel(), mm);
+        if (!std::isfinite(mm[0]) || !std::isfinite(mm[1])) return none();  // (the general path refuses the batch)
+        if (observe == UPDATE &&
+            intqat::train::observe_update(mm[0], mm[1], min_val, max_val, scale, zero_point, initialized, first,
+                                          moving_average, averaging_constant, x_qmin, x_qmax, symmetric, eps) != 1)
+            return none();
+    }
+    const float s_x = *scale.data_ptr<float>(), z_f = *zero_point.data_ptr<float>();
+    if (s_x != s_x || z_f != z_f) return none();  // NaN: the Python path says what torch says
+    const int64_t z = (int64_t)std::nearbyint(std::min(std::max((double)z_f, (double)x_qmin), (double)x_qmax));
+    if (bn)
+        return FoldedConvTrain::apply(x, weight, bias, gamma, beta, *running_mean, *running_var, bn_eps, (double)s_x, z,
+                                      stride.vec(), padding.vec(), dilation.vec(), groups, x_qmin, x_qmax, w_qmin,
+                                      w_qmax, gemm, digits_x, digits_w, digits_amx, eps);
+    return IntConv2dTrain::apply(x, weight, bias, c10::nullopt, (double)s_x, z, stride.vec(), padding.vec(),
+                                 dilation.vec(), groups, x_qmin, x_qmax, w_qmin, w_qmax, /*w_clip_mask=*/false, gemm,
+                                 digits_x, digits_w, digits_amx, eps);
+}
 
 at::Tensor int_conv2d(const at::Tensor &x, const at::Tensor &weight, const c10::optional<at::Tensor> &bias,
                       const c10::optional<at::Tensor> &w_scale, double x_scale, int64_t x_zero_point, at::IntArrayRef stride,
@@ -751,6 +989,15 @@ TORCH_LIBRARY_FRAGMENT(intqat_train, m) {
           "int[] stride, int[] padding, int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, "
           "bool w_clip_mask, int gemm, bool digits_x, bool digits_w, bool digits_amx, float w_eps=0.0) -> Tensor",
           int_conv2d);
+    // IntConv2d's observer, BN fold and conv step in one call (intqat.nn.conv_step.fused_conv); an empty (0,) result:
+    // nothing changed, the general path runs
+    m.def("observed_int_conv2d(Tensor x, Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, "
+          "Tensor? running_mean, Tensor? running_var, float bn_eps, Tensor(a!) min_val, Tensor(b!) max_val, "
+          "Tensor(c!) scale, Tensor(d!) zero_point, Tensor(e!) initialized, int observe, bool first, "
+          "bool moving_average, float averaging_constant, bool symmetric, int[] stride, int[] padding, "
+          "int[] dilation, int groups, int x_qmin, int x_qmax, int w_qmin, int w_qmax, int gemm, bool digits_x, "
+          "bool digits_w, bool digits_amx, float eps) -> Tensor",
+          observed_int_conv2d);
     m.def("bn_fold(Tensor weight, Tensor? bias, Tensor? gamma, Tensor? beta, Tensor running_mean, Tensor running_var, "
           "float eps) -> Tensor[]",
           [](const at::Tensor &weight, const c10::optional<at::Tensor> &bias, const c10::optional<at::Tensor> &gamma,
