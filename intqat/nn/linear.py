@@ -80,11 +80,11 @@ class _QuantLinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{grad}{t}"
 
     def _parts(self) -> tuple:
-        """(weight as (N, K), bias, input_quantizer, weight_quantizer), read from nn.Module's own dicts on the
-        training hot path: each `self.weight`-style read goes through nn.Module.__getattr__ after a failed
-        attribute lookup, ~0.5 us (Zen 4, torch 2.13), five a call on a layer whose whole C++ step is ~15 us at
-        8 x 128 -> 10. A class that defines one of these names itself (torch.nn.utils.parametrize's property), or a
-        module holding one elsewhere (a plain tensor attribute, a buffer), reads them the usual way."""
+        """(weight as (N, K), the weight as stored, bias, input_quantizer, weight_quantizer), read from nn.Module's
+        own dicts on the training hot path: each `self.weight`-style read goes through nn.Module.__getattr__ after a
+        failed attribute lookup, ~0.5 us (Zen 4, torch 2.13), five a call on a layer whose whole C++ step is ~15 us
+        at 8 x 128 -> 10. A class that defines one of these names itself (torch.nn.utils.parametrize's property), or
+        a module holding one elsewhere (a plain tensor attribute, a buffer), reads them the usual way."""
         cls = type(self)
         plain = _PLAIN_TYPES.get(cls)
         if plain is None:

@@ -204,7 +204,7 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
-        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook runs the forward again)
+        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook reruns the forward)
         const intqat::train::BackwardDispatch below_autograd;
         const intqat::train::StepFlags f = intqat::train::step_flags(ctx);
         const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],

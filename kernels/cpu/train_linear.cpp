@@ -186,7 +186,7 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         if (g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
-        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook runs the forward again)
+        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook reruns the forward)
         const intqat::train::BackwardDispatch below_autograd;
         const intqat::train::StepFlags f = intqat::train::step_flags(ctx);
         const at::Tensor &q_w = saved[2], &bits_x = saved[1], &s_w = saved[5];
