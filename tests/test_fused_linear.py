@@ -225,6 +225,31 @@ def test_input_layouts(shape, fused_count):
         assert torch.equal(t, u), k
 
 
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2  # (exact in float32: the doubled copy below is the same numbers)
+
+
+def test_a_parametrized_weight_is_read_through_its_parametrization(fused_count):
+    """IntLinear reads its Parameters from nn.Module's dicts (_QuantLinearBase._parts) only where they are there:
+    under torch.nn.utils.parametrize `weight` is a class property (the Parameter moved to `original`), and the step
+    must use the parametrized weight, as `self.weight` gives it: the same output and gradients as a layer holding
+    that weight."""
+    _runs_here()
+    layer, ref = _observed_layer_and_copy()
+    torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Doubled())
+    with torch.no_grad():
+        ref.weight.mul_(2)
+    x = torch.randn(40, 16)
+    ya, yb = layer(x), ref(x)
+    assert fused_count["ran"] == 2 and torch.equal(ya, yb)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(layer.parametrizations.weight.original.grad, 2 * ref.weight.grad)
+    assert torch.equal(layer.bias.grad, ref.bias.grad)
+
+
 def test_gradient_checkpointing_checks_without_observing_again(fused_count):
     """The backward's recompute runs the op in its check mode (no second observer update): the same gradients
     and observer buffers as the step without checkpointing."""

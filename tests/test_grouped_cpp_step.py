@@ -186,3 +186,26 @@ def test_llama_block_trains_the_same_with_the_cpp_step():
 def test_llama_block_trains_the_same_with_the_cpp_step_on_avx2_int16():
     """The same on the no-int8-dot class's forward kernel (forced), fp32 backward GEMMs both ways."""
     _llama_block_trains_the_same_with_the_cpp_step("avx2_int16", "avx2_int16")
+
+
+@needs_cpp
+def test_grouped_step_under_gradient_checkpointing():
+    """torch.utils.checkpoint recomputes the forward while the op's backward unpacks its saved tensors: that forward
+    must record its graph as the first one did (the backward's aten calls skip the autograd kernels only after the
+    unpack, train_common.h's BackwardDispatch). The same gradients as without checkpointing, bit for bit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    intqat.prepare_qat(lin, "8da4w")
+    lin.train()(torch.randn(8, 64))
+    intqat.to_integer(lin)
+    lin.train()
+    ckpt = copy.deepcopy(lin)
+    x = torch.randn(8, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with backends.recording() as ran:
+        lin(xa).square().sum().backward()
+        torch.utils.checkpoint.checkpoint(ckpt, xb, use_reentrant=False).square().sum().backward()
+    assert ran[("grouped_step", "cpp_step")] == 6, dict(ran)  # two layers: forward, forward, recompute
+    assert torch.equal(xa.grad, xb.grad)
+    for p, q in zip(lin.parameters(), ckpt.parameters()):
+        assert torch.equal(p.grad, q.grad)

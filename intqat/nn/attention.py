@@ -42,6 +42,14 @@ __all__ = ["FakeQuantMultiheadAttention", "IntMultiheadAttention", "DeployedIntM
 _SHAPE = ("embed_dim", "kdim", "vdim", "_qkv_same_embed_dim", "num_heads", "dropout", "batch_first", "head_dim",
           "add_zero_attn")
 _ROLES = ("q", "k", "v")
+# IntMultiheadAttention._parts: the names it reads from nn.Module's dicts, by projection group ("q", "k", "v", "kv",
+# "qkv": the first letter names the input quantizer)
+_PROJ_WEIGHT = {g: f"{g}_proj_weight" for g in _ROLES}
+_PROJ_QUANTIZER = {g: f"{g}_proj_weight_quantizer" for g in _ROLES}
+_INPUT_QUANTIZER = {g: f"{g}_input_quantizer" for g in _ROLES}
+_PARTS = ("in_proj_weight", "in_proj_bias", "out_proj", "in_proj_weight_quantizer",
+          *_PROJ_WEIGHT.values(), *_PROJ_QUANTIZER.values(), *_INPUT_QUANTIZER.values())
+_PLAIN_TYPES: dict[type, bool] = {}  # class -> none of _PARTS is a class attribute
 
 
 def _groups(query: Tensor, key: Tensor, value: Tensor, packed: bool, E: int) -> list[tuple[str, Tensor, str, slice]]:
@@ -276,17 +284,43 @@ class IntMultiheadAttention(_QuantMHABase):
         mod.out_proj = IntLinear.from_fake_quant(fq.out_proj)
         return mod
 
-    def _project(self, group: str, x: Tensor, rows: slice) -> Tensor:
+    def _parts(self, group: str) -> tuple:
+        """(weight Parameter, its quantizer's name, rows or None, input quantizer, weight quantizer, in_proj_bias,
+        out_proj) of a projection, read from nn.Module's own dicts where the class defines none of these names
+        (each nn.Module.__getattr__ read ~0.5 us, Zen 4; six a projection: _QuantLinearBase._parts says why)."""
+        cls = type(self)
+        plain = _PLAIN_TYPES.get(cls)
+        if plain is None:
+            plain = _PLAIN_TYPES[cls] = not any(hasattr(cls, n) for n in _PARTS)
+        if plain:
+            d = self.__dict__
+            p, m = d["_parameters"], d["_modules"]
+            try:
+                if self._qkv_same_embed_dim:
+                    w, wq_name, w_rows = p["in_proj_weight"], "in_proj_weight_quantizer", None
+                else:
+                    w, wq_name, w_rows = p[_PROJ_WEIGHT[group]], _PROJ_QUANTIZER[group], slice(None)
+                return (w, wq_name, w_rows, m[_INPUT_QUANTIZER[group[0]]], m[wq_name], p["in_proj_bias"],
+                        m["out_proj"])
+            except KeyError:
+                pass
         w, wq_name, w_rows = self._weight(group)
-        aq, wq = getattr(self, f"{group[0]}_input_quantizer"), getattr(self, wq_name)
+        return (w, wq_name, w_rows, getattr(self, f"{group[0]}_input_quantizer"), getattr(self, wq_name),
+                self.in_proj_bias, self.out_proj)
+
+    def _project(self, group: str, x: Tensor, rows: slice) -> Tensor:
+        w, wq_name, w_rows, aq, wq, in_proj_bias, out_proj = self._parts(group)
         rows_w = rows if w_rows is None else w_rows
         whole = rows_w == slice(None) or rows_w == slice(0, w.shape[0])  # no slice: no scatter of the gradient
-        bias = self.in_proj_bias if (whole and self._qkv_same_embed_dim) else self._bias(rows)
+        if whole and self._qkv_same_embed_dim:
+            bias = in_proj_bias
+        else:  # (_bias)
+            bias = None if in_proj_bias is None else in_proj_bias[rows]
         minmax_w = wq.scale is None and wq.per_channel
         if minmax_w:  # (the path below calls the op too, grad or not)
             # as IntLinear: the observer and the C++ step in one op call (eager_step.fused_linear), or the path below
             y = eager_step.fused_linear(self, group, x, w if whole else w[rows_w], bias, aq, wq.qmin, wq.qmax,
-                                        self.out_proj.grad_gemm)
+                                        out_proj.grad_gemm)
             if y is not None:
                 return y
         aq.integer_input(x)  # as IntLinear: observes (while observing), refuses NaN / inf in training, checks the scale

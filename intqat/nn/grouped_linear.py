@@ -166,15 +166,15 @@ class GroupedIntLinear(_QuantLinearBase):
                     x_dynamic=aq.dynamic, w_clip_mask=wq.scale is not None)
 
     def forward(self, input: Tensor) -> Tensor:
-        x, aq, wq = input, self.input_quantizer, self.weight_quantizer
+        x = input
+        w, weight, bias, aq, wq = self._parts()  # (nn.Module's dicts: _QuantLinearBase._parts says why)
         if aq.observing:
             aq.observe(x)
         if not aq.dynamic:
             aq._check_ready()
-        if torch.is_grad_enabled() and (self.weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
-            w = self.w_nk()
+        if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting():
             if wq.scale is None and wq.narrow:  # the C++ step, decided once per input shape (eager_step.py)
-                y = eager_step.grouped_step(self, "grouped", x, w, self.bias, aq, wq.group_size, wq.qmin, wq.qmax)
+                y = eager_step.grouped_step(self, "grouped", x, w, bias, aq, wq.group_size, wq.qmin, wq.qmax)
                 if y is not None:
                     return y  # (float32 in, float32 out)
             w_scale = None if (wq.scale is None and wq.narrow) else wq.group_scale(w)

@@ -8,7 +8,9 @@
  * The view of the last shape asked for is kept with the buffer and returned as is while the shape and dtype
  * repeat (every training step asks the same shapes): the narrow + view that make it are four dispatched aten
  * ops (narrow, slice, as_strided, view), ~3 us a call under torch.profiler, three calls a linear layer's step
- * (AMX Xeon, 2026-11-28). */
+ * (AMX Xeon, 2026-11-28).
+ *
+ * role: a string literal (or any pointer whose characters never change while the process runs). */
 #ifndef INTQAT_SCRATCH_H
 #define INTQAT_SCRATCH_H
 #include <ATen/ATen.h>
@@ -24,9 +26,15 @@ inline at::Tensor scratch(const char *role, at::IntArrayRef shape, at::ScalarTyp
         at::Tensor view;  // the last view handed out: buf's first elements as `shape`
     };
     thread_local std::unordered_map<std::string, Kept> bufs;  // (inline: one map per thread, program-wide)
+    // roles are string literals: found by their address first (a pointer hash), by their characters (a std::string
+    // built and hashed, ~0.1 us) only the first time an address is seen; literals of the same role at two addresses
+    // (two translation units) share its one buffer. (The map's elements never move: the pointers stay valid.)
+    thread_local std::unordered_map<const char *, Kept *> by_address;
+    Kept *&found = by_address[role];
+    if (found == nullptr) found = &bufs[role];
+    Kept &k = *found;  // each role has one dtype
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
-    Kept &k = bufs[role];  // each role has one dtype
     if (!k.buf.defined() || k.buf.numel() < n || k.buf.scalar_type() != dtype) {
         k.buf = at::empty({n}, at::TensorOptions().dtype(dtype));
         k.view = at::Tensor();

@@ -156,6 +156,7 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         TORCH_CHECK(gemm != INT16 || gs % 2 == 0,
                     "intqat_train::int_linear_grouped: the int16 kernel takes whole pairs of k: an even group size, got ",
                     gs);
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;  // (no-grad mode here: train_linear.cpp says why)
         const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar);
         const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
         // activations (int_linear.quantize_activation)
@@ -203,7 +204,9 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         g = g.to(at::kFloat);
-        auto saved = ctx->get_saved_variables();
+        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook reruns the forward)
+        const intqat::train::BackwardDispatch below_autograd;
+        const intqat::train::StepFlags f = intqat::train::step_flags(ctx);
         const at::Tensor &q_x = saved[0], &bits_x = saved[1], &q_w = saved[2], &bits_w = saved[3], &s_x = saved[4],
                          &s_w = saved[5];
         if (ctx->needs_input_grad(0)) {  // g @ w_hat, w_hat = dequantize_weight_grouped(q_w, s_w)
@@ -221,17 +224,17 @@ struct IntLinearGroupedTrain : public torch::autograd::Function<IntLinearGrouped
             out[0] = gx;
         }
         // grad_w and grad_b: train_common.h's grad_weight_and_bias, with x_hat in the buffer w_hat has just left
-        const int32_t z = (int32_t)ctx->saved_data["z"].toInt();
+        const int32_t z = f.z;
         if (ctx->needs_input_grad(1)) {
             at::Tensor s = s_x.reshape({-1});
-            at::Tensor gw = ctx->saved_data["digits_w"].toBool()
+            at::Tensor gw = f.digits_w
                                 ? intqat::digit_matmul(g.t(), s, q_x, z)
                                 : at::mm(g.t(), intqat::dequantized(HAT, q_x, s, z, /*per_row=*/s.numel() > 1));
             mask_zero_bits_(gw, bits_w);
             out[1] = gw;
         }
         // (edges: x, weight, then bias only when given: ask about edge 2 only then)
-        if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) out[2] = g.sum(0);
+        if (f.has_bias && ctx->needs_input_grad(2)) out[2] = g.sum(0);
         return out;
     }
 };

@@ -104,6 +104,9 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         TORCH_CHECK(weight.dim() == 2 && weight.size(1) == x.size(1), "intqat_train::int_linear: weight ",
                     weight.sizes(), " does not match x ", x.sizes());
         const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+        // (Function::apply runs this in no-grad mode: the aten calls below record nothing, so they may skip the
+        // autograd and ADInplaceOrView kernels, ~0.1 us a call)
+        const at::AutoDispatchBelowADInplaceOrView below_autograd;
         const auto f32 = at::TensorOptions().dtype(at::kFloat), i8 = at::TensorOptions().dtype(at::kChar),
                    i32 = at::TensorOptions().dtype(at::kInt);
         const int32_t z = x_dynamic ? 0 : (int32_t)x_zero_point;
@@ -183,16 +186,18 @@ struct IntLinearTrain : public torch::autograd::Function<IntLinearTrain> {
         at::Tensor g = grads[0];
         if (!g.defined()) return out;
         if (g.scalar_type() != at::kFloat) g = g.to(at::kFloat);
-        auto saved = ctx->get_saved_variables();
+        auto saved = ctx->get_saved_variables();  // (before the guard: a checkpoint's unpack hook reruns the forward)
+        const intqat::train::BackwardDispatch below_autograd;
+        const intqat::train::StepFlags f = intqat::train::step_flags(ctx);
         const at::Tensor &q_w = saved[2], &bits_x = saved[1], &s_w = saved[5];
         if (ctx->needs_input_grad(0)) {
-            at::Tensor gx = ctx->saved_data["digits_x"].toBool()
+            at::Tensor gx = f.digits_x
                                 ? digit_matmul(g, s_w, q_w, 0)
                                 : at::mm(g, dequantized("w_hat", q_w, s_w, 0, /*per_row=*/true));
             mask_zero_bits_(gx, bits_x);
             out[0] = gx;
         }
-        intqat::train::grad_weight_and_bias(ctx, g, saved, out);
+        intqat::train::grad_weight_and_bias(ctx, f, g, saved, out);
         return out;
     }
 };
