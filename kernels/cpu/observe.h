@@ -1,5 +1,6 @@
-/* One update of a static activation observer from a batch's min / max: what observe.cpp's observe_minmax_ and
- * train_linear.cpp's observed_int_linear (the observer and the linear step in one call) both run.
+/* One update of a static activation observer from a batch's min / max: what observe.cpp's observe_minmax_,
+ * train_linear.cpp's observed_int_linear and train_conv.cpp's observed_int_conv2d (the observer and the step in one
+ * call: observe_then_qparams, below) run.
  *
  * Same bits as the Python scalar path (ActivationQuantizer._observe_scalar, qparams.scale_zero_point_scalar)
  * and so as the tensor path: every value is a float32 and every +, -, *, / one float32 operation, which is
@@ -67,6 +68,41 @@ inline int64_t observe_update(float lo, float hi, at::Tensor &min_val, at::Tenso
         initialized.fill_(true);  // (any dtype the buffer has: bool)
     }
     return 1;
+}
+
+/* The observed ops' first step (train_linear.cpp's observed_int_linear, train_conv.cpp's observed_int_conv2d):
+ * observe per `observe` (OBSERVE_NOTHING: eval mode, the kept scale; OBSERVE_CHECK: refuse NaN / inf; OBSERVE_UPDATE:
+ * observe_update from the batch's min / max), then the activation scale and zero point the step runs on: s_x =
+ * float(scale), z = round(clamp(float(zero_point), qmin, qmax)) (int_linear's rounded_zero_point_int).
+ * xc: the batch, contiguous (the elements the Python path's observer reads, in its order: the same min / max bits).
+ * false, having changed nothing: the general path runs (a batch holding NaN / inf, which it refuses; a kept range, scale
+ * or zero point that is not finite). */
+enum Observe : int64_t {  // intqat.ops.cpp_step.OBSERVE_*
+    OBSERVE_NOTHING = 0 /* eval-mode training: the kept scale */,
+    OBSERVE_CHECK = 1 /* training, observer off: refuse NaN / inf (the general path raises) */,
+    OBSERVE_UPDATE = 2 /* training, observing: observe_update, then the updated scale */
+};
+
+extern "C" void intqat_minmax(const float *x, int64_t n, float *out);  // fused.c
+
+inline bool observe_then_qparams(const at::Tensor &xc, int64_t observe, at::Tensor &min_val, at::Tensor &max_val,
+                                 at::Tensor &scale, at::Tensor &zero_point, at::Tensor &initialized, bool first,
+                                 bool moving_average, double averaging_constant, bool symmetric, int64_t qmin,
+                                 int64_t qmax, double eps, float *s_x, int64_t *z) {
+    if (observe != OBSERVE_NOTHING) {
+        float mm[2];
+        intqat_minmax(xc.data_ptr<float>(), xc.numel(), mm);
+        if (!std::isfinite(mm[0]) || !std::isfinite(mm[1])) return false;  // (the general path refuses the batch)
+        if (observe == OBSERVE_UPDATE &&
+            observe_update(mm[0], mm[1], min_val, max_val, scale, zero_point, initialized, first, moving_average,
+                           averaging_constant, qmin, qmax, symmetric, eps) != 1)
+            return false;
+    }
+    const float s = *scale.data_ptr<float>(), z_f = *zero_point.data_ptr<float>();
+    if (s != s || z_f != z_f) return false;  // NaN: the Python path says what torch says
+    *s_x = s;
+    *z = (int64_t)std::nearbyint(std::min(std::max((double)z_f, (double)qmin), (double)qmax));
+    return true;
 }
 
 }  // namespace train

@@ -55,7 +55,7 @@
 #include "digit_matmul.h"  // intqat::digit_matmul, intqat::digit_matmul_amx (the backward's digit GEMMs)
 #include "nchw_layout.h"  // intqat_transpose_f32 (one block; the batches and the fused passes are fused.c's)
 #include "int_mm_layout.h"  // intqat::int_mm_operand
-#include "observe.h"  // intqat::train::observe_update, one_float (observed_int_conv2d's observer; read only)
+#include "observe.h"  // intqat::train::observe_then_qparams, one_float (observed_int_conv2d's observer)
 #include "scratch.h"  // intqat::scratch
 
 extern "C" {  // fused.c
@@ -901,12 +901,6 @@ struct FoldedConvTrain : public torch::autograd::Function<FoldedConvTrain> {
     }
 };
 
-enum Observe : int64_t {  // (cpp_step.OBSERVE_*: train_linear.cpp's values)
-    NOTHING = 0 /* eval-mode training: the kept scale */,
-    CHECK = 1 /* training, observer off: refuse NaN / inf (the general path raises) */,
-    UPDATE = 2 /* training, observing: observe_update, then the updated scale */
-};
-
 /* IntConv2d's eager training call in one op (intqat/nn/conv_step.py's fused_conv decides when): its static activation
  * observer (observe.h: what ActivationQuantizer.integer_input runs, min-max or moving average; observer off: the
  * NaN / inf check; eval mode: nothing), the BN fold (BnFold: _folded_eager's op; no running_var: no BN) and the conv
@@ -948,20 +942,15 @@ at::Tensor observed_int_conv2d(const at::Tensor &x, const at::Tensor &weight, co
     const bool bn = running_var.has_value() && running_var->defined();
     TORCH_CHECK(!bn || (running_mean.has_value() && running_mean->defined()),
                 "intqat_train::observed_int_conv2d: running_var without running_mean");
-    if (observe != NOTHING) {
-        // observe_minmax_'s read: x.contiguous() (the same elements in the same order, so the same min / max bits)
-        const at::Tensor xc = x.is_contiguous() ? x : x.contiguous();
-        float mm[2];
-        intqat_minmax(xc.data_ptr<float>(), xc.numel(), mm);
-        if (!std::isfinite(mm[0]) || !std::isfinite(mm[1])) return none();  // (the general path refuses the batch)
-        if (observe == UPDATE &&
-            intqat::train::observe_update(mm[0], mm[1], min_val, max_val, scale, zero_point, initialized, first,
-                                          moving_average, averaging_constant, x_qmin, x_qmax, symmetric, eps) != 1)
-            return none();
-    }
-    const float s_x = *scale.data_ptr<float>(), z_f = *zero_point.data_ptr<float>();
-    if (s_x != s_x || z_f != z_f) return none();  // NaN: the Python path says what torch says
-    const int64_t z = (int64_t)std::nearbyint(std::min(std::max((double)z_f, (double)x_qmin), (double)x_qmax));
+    // observe_minmax_'s read: x.contiguous() (the same elements in the same order, so the same min / max bits); not
+    // read in eval mode
+    const at::Tensor xc = observe == intqat::train::OBSERVE_NOTHING || x.is_contiguous() ? x : x.contiguous();
+    float s_x;
+    int64_t z;
+    if (!intqat::train::observe_then_qparams(xc, observe, min_val, max_val, scale, zero_point, initialized, first,
+                                             moving_average, averaging_constant, symmetric, x_qmin, x_qmax, eps, &s_x,
+                                             &z))
+        return none();
     if (bn)
         return FoldedConvTrain::apply(x, weight, bias, gamma, beta, *running_mean, *running_var, bn_eps, (double)s_x, z,
                                       stride.vec(), padding.vec(), dilation.vec(), groups, x_qmin, x_qmax, w_qmin,

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "int_mm_layout.h"  // intqat::int_mm_operand
-#include "observe.h"  // intqat::train::observe_update, one_float
+#include "observe.h"  // intqat::train::observe_then_qparams, one_float
 #include "quantize_bits.h"  // intqat::train::quantize_bits: static codes and mask bits in one pass
 #include "train_common.h"  // the fused passes, masks as bits, activation codes, the node's state, grad_w / grad_b
 
@@ -214,12 +214,6 @@ at::Tensor int_linear(const at::Tensor &x, const at::Tensor &weight, const c10::
                                  x_dynamic, w_clip_mask, gemm, digits_x, digits_w, eps);
 }
 
-enum Observe : int64_t {
-    NOTHING = 0 /* eval-mode training: the kept scale */,
-    CHECK = 1 /* training, observer off: refuse NaN / inf (the general path raises) */,
-    UPDATE = 2 /* training, observing: observe_update, then the updated scale */
-};
-
 /* An integer layer's eager training call in one op: its static activation observer (observe.h: what
  * ActivationQuantizer.integer_input runs, min-max or moving average) and then int_linear's C++ step on the
  * scale and zero point it leaves (intqat/nn/eager_step.py's fused_linear decides when; w_scale None, min-max
@@ -248,18 +242,12 @@ at::Tensor observed_int_linear(const at::Tensor &x, const at::Tensor &weight, co
     const int64_t K = x.size(-1);
     // (M, K), through autograd (x's gradient flows back), as int_linear's Python caller makes it
     at::Tensor x2d = (x.dim() == 2 ? x : x.reshape({-1, K})).contiguous();
-    if (observe != NOTHING) {
-        float mm[2];
-        intqat_minmax(x2d.data_ptr<float>(), x2d.numel(), mm);
-        if (!std::isfinite(mm[0]) || !std::isfinite(mm[1])) return none();  // (the general path refuses the batch)
-        if (observe == UPDATE &&
-            intqat::train::observe_update(mm[0], mm[1], min_val, max_val, scale, zero_point, initialized, first,
-                                          moving_average, averaging_constant, x_qmin, x_qmax, symmetric, eps) != 1)
-            return none();
-    }
-    const float s_x = *scale.data_ptr<float>(), z_f = *zero_point.data_ptr<float>();
-    if (s_x != s_x || z_f != z_f) return none();  // NaN: the Python path says what torch says
-    const int64_t z = (int64_t)std::nearbyint(std::min(std::max((double)z_f, (double)x_qmin), (double)x_qmax));
+    float s_x;
+    int64_t z;
+    if (!intqat::train::observe_then_qparams(x2d, observe, min_val, max_val, scale, zero_point, initialized, first,
+                                             moving_average, averaging_constant, symmetric, x_qmin, x_qmax, eps, &s_x,
+                                             &z))
+        return none();
     at::Tensor y = intqat::IntLinearTrain::apply(x2d, weight, bias, c10::nullopt, (double)s_x, z, x_qmin, x_qmax,
                                                  w_qmin, w_qmax, /*x_dynamic=*/false, /*w_clip_mask=*/false, gemm,
                                                  digits_x, digits_w, eps);
