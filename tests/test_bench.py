@@ -95,6 +95,27 @@ def test_modules_quick(tmp_path, capsys, one_thread):
         assert rows["intqat integer w8a8"]["mismatch_exact_zero"] is True
 
 
+def test_deploy_cells_name_a_refused_int_mm_as_the_cause():
+    """A nonzero deploy mismatch of an intqat row, where the self-check refused torch._int_mm (the deployed program
+    multiplies with it), is footnoted as that GEMM's; an exact one, a peer's row, or a trusted _int_mm is not."""
+    from intqat.bench.modules import _DEPLOYED_INT_MM, deploy_cells
+
+    marks: dict[str, str] = {}
+
+    def mark(reason: str) -> str:
+        return marks.setdefault(reason, f"[{len(marks) + 1}]")
+
+    wrong, exact = (0.99, 0.083, False, None), (0.0, 0.0, True, None)
+    assert deploy_cells("intqat integer w8a8", wrong, True, mark) == ("9.90e-01 [1]", "8.3e-02")
+    assert marks == {_DEPLOYED_INT_MM: "[1]"} and "aten._int_mm" in _DEPLOYED_INT_MM
+    assert deploy_cells("intqat integer w8a8", wrong, False, mark) == ("9.90e-01", "8.3e-02")
+    assert deploy_cells("torchao QAT", wrong, True, mark) == ("9.90e-01", "8.3e-02")
+    assert deploy_cells("intqat integer w8a8", exact, True, mark) == ("0", "0")
+    assert deploy_cells("fp32", None, True, mark) == ("-", "-")
+    failed = deploy_cells("torch.ao QAT x86", (None, None, False, "boom"), True, mark)
+    assert failed[0] == failed[1] == "n/a [2]" and marks["torch.ao QAT x86: deploy path failed: boom"] == "[2]"
+
+
 def test_timer_and_counters_on_toy_inputs():
     calls = {"a": 0, "b": 0}
 

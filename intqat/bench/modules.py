@@ -307,6 +307,22 @@ _DEPLOYED_INT_MM = ("intqat: the deployed program multiplies with aten._int_mm, 
                     "integer model bit for bit")
 
 
+def deploy_cells(name: str, mm: tuple | None, int_mm_refused: bool, mark: Callable[[str], str]) -> tuple[str, str]:
+    """The table's (deploy max|Δ|, rel |Δ|) cells of one row. mm: (max abs, rel or None, exactly zero, error or None)
+    (`_mismatch`), None for a flavour with no deploy step; mark(reason) -> its footnote mark. An intqat row's nonzero
+    mismatch where the self-check refused torch._int_mm is marked as that GEMM's (_DEPLOYED_INT_MM)."""
+    if mm is None:
+        return "-", "-"
+    if mm[3] is not None:
+        cell = f"{NA} {mark(f'{name}: deploy path failed: {mm[3]}')}"
+        return cell, cell
+    d_cell = "0" if mm[2] else f"{mm[0]:.2e}"
+    rel_cell = "0" if mm[2] else (NA if mm[1] is None else f"{mm[1]:.1e}")
+    if not mm[2] and name.startswith("intqat") and int_mm_refused:
+        d_cell += f" {mark(_DEPLOYED_INT_MM)}"
+    return d_cell, rel_cell
+
+
 def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None) -> Table:
     info = info or machine_info()
     g = torch.Generator().manual_seed(s.seed)
@@ -350,15 +366,7 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
             speed = speed_ratio(timings[FP32], tm) if fp else None
             peak_ratio = res["peak"] / fp.results["peak"] if fp and res["peak"] and fp.results["peak"] else None
             mm = res.get("mismatch")
-            if mm is None:
-                d_cell, rel_cell = "-", "-"
-            elif mm[3] is not None:
-                d_cell = rel_cell = f"{NA} {mark(f'{name}: deploy path failed: {mm[3]}')}"
-            else:
-                d_cell = "0" if mm[2] else f"{mm[0]:.2e}"
-                rel_cell = "0" if mm[2] else (NA if mm[1] is None else f"{mm[1]:.1e}")
-                if not mm[2] and name.startswith("intqat") and int_mm_refused:
-                    d_cell += f" {mark(_DEPLOYED_INT_MM)}"
+            d_cell, rel_cell = deploy_cells(name, mm, int_mm_refused, mark)
             t.add(
                 [name.replace("w8a8", preset), fmt_num(tm.median * 1e3), fmt_ratio(speed), fmt_bytes(res["peak"]), fmt_ratio(peak_ratio),
                  fmt_bytes(res["saved"]), d_cell, rel_cell],
