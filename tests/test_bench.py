@@ -84,7 +84,8 @@ def test_modules_quick(tmp_path, capsys, one_thread):
                 assert rec.get("unavailable")
                 continue
             assert "unavailable" not in rec, rec
-            for key in ("median_s", "speed_vs_fp32", "peak_bytes", "peak_vs_fp32", "saved_bytes"):
+            for key in ("median_s", "speed_vs_fp32", "eval_median_s", "eval_speed_vs_fp32", "peak_bytes", "peak_vs_fp32",
+                        "saved_bytes"):
                 assert _positive(rec[key]), (model, name, key, rec[key])
             if name == "fp32":
                 assert rec["mismatch_max_abs"] is None

@@ -521,11 +521,12 @@ def test_fused_conv_kept_range_not_finite_takes_the_general_path(fused_count):
         assert torch.equal(t, u) or (t.isnan() == u.isnan()).all(), k
 
 
-@pytest.mark.parametrize("case", ["double BN", "no grad", "weight frozen, input needs grad", "no BN"])
+@pytest.mark.parametrize("case", ["double BN", "no grad", "inference mode", "weight frozen, input needs grad", "no BN",
+                                  "eval, no grad"])
 def test_fused_conv_cases_it_hands_back_or_takes(case, fused_count):
-    """A float64 BN (the Python fold's case) and a no-grad call are handed back / not taken, nothing changed; a frozen
-    weight with an input that needs its gradient, and a conv without BN, are taken: the same bits as the previous
-    path (y, grad_x, the buffers)."""
+    """A float64 BN (the Python fold's case) is handed back, nothing changed; no-grad and inference-mode calls (a
+    validation loop, in train or eval mode), a frozen weight with an input that needs its gradient, and a conv without
+    BN are taken: the same bits as the previous path (y, grad_x, the buffers: a train-mode no-grad call observes)."""
     import copy
 
     layer = _one_conv(bn=case != "no BN")
@@ -533,24 +534,49 @@ def test_fused_conv_cases_it_hands_back_or_takes(case, fused_count):
         layer.bn.double()
     if case == "weight frozen, input needs grad":
         layer.weight.requires_grad_(False)
+    if case == "eval, no grad":
+        layer.eval()
     ref = copy.deepcopy(layer)
-    x = torch.randn(2, 5, 6, 6)
+    x = torch.randn(2, 5, 6, 6) * 3  # (wider than the observed batch: a train-mode update moves the range)
     outs = []
     for m, on in ((layer, True), (ref, False)):
         fused_count["on"] = on
         xa = x.clone().requires_grad_()
-        if case == "no grad":
-            with torch.no_grad():
+        if case in ("no grad", "eval, no grad", "inference mode"):
+            with torch.inference_mode() if case == "inference mode" else torch.no_grad():
                 y = m(xa)
         else:
             y = m(xa)
             y.backward(torch.ones_like(y))
-        outs.append((y.detach(), xa.grad, copy.deepcopy(m.state_dict())))
-    assert fused_count["ran"] == (1 if case in ("weight frozen, input needs grad", "no BN") else 0)
+        outs.append((y.detach().clone(), xa.grad, copy.deepcopy(m.state_dict())))
+    assert fused_count["ran"] == (0 if case == "double BN" else 1)
     (y1, g1, s1), (y2, g2, s2) = outs
     assert torch.equal(y1, y2) and (g1 is None) == (g2 is None) and (g1 is None or torch.equal(g1, g2))
     for k in s1:
         assert torch.equal(s1[k], s2[k]), k
+    if case in ("no grad", "inference mode"):  # the train-mode call observed the wider batch
+        assert not torch.equal(s1["input_quantizer.max_val"], layer.input_quantizer.max_val.new_tensor(0.0))
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "channels_last"])
+def test_fused_conv_validation_forward_is_the_deployed_arithmetic(layout, fused_count):
+    """A validation pass (eval mode, inference mode) of the MBConv-like net runs every conv through the fused op, and
+    gives the bits of the general path (the plain-aten deploy arithmetic) and of the exported program."""
+    import copy
+
+    model = _fused_model({}, layout=layout).eval()
+    ref = copy.deepcopy(model)
+    x = next(iter(_fused_batches(1, layout=layout)))[0]
+    with torch.inference_mode():
+        y = model(x)
+    assert fused_count["ran"] == N_CONVS
+    fused_count["on"] = False
+    with torch.inference_mode():
+        y_ref = ref(x)
+    assert torch.equal(y, y_ref)
+    with torch.no_grad():  # (export traces the plain-aten path, never the op)
+        program = torch.export.export(copy.deepcopy(model), (x,))
+    assert torch.equal(program.module()(x), y)
 
 
 def test_fused_conv_checkpointing_checks_without_observing_again(fused_count):

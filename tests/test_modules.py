@@ -946,8 +946,12 @@ def test_integer_modules_differentiable_in_eval_mode(layer):
         assert p.grad is not None and rel_err(p.grad, grads_train[n]) < 1e-5, n
 
 
-def test_inference_codes_cache_follows_weight_updates():
-    """Eval reuses the weight codes between calls, and recomputes them after every update."""
+def test_inference_codes_cache_follows_weight_updates(monkeypatch):
+    """Eval reuses the weight codes between calls, and recomputes them after every update (the plain-aten path,
+    which layers above FUSED_NO_GRAD_MAX_WEIGHTS take without autograd: forced here for small ones)."""
+    import intqat.nn.linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "FUSED_NO_GRAD_MAX_WEIGHTS", 0)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     intqat.prepare_qat(model)
@@ -979,6 +983,36 @@ def test_inference_codes_cache_follows_weight_updates():
     with torch.no_grad():
         model[0].weight.mul_(0.5)  # any in-place change counts
         assert torch.equal(model(x), fresh_eval(copy.deepcopy(model)))
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_small_layers_validate_through_the_training_op(mode, monkeypatch):
+    """Without autograd a layer of at most FUSED_NO_GRAD_MAX_WEIGHTS weights runs the training op (no codes cached),
+    a larger one the plain-aten path with its cache: the same bits, and in train mode the same observer updates."""
+    import intqat.nn.linear as linear_mod
+
+    if intqat.ops.cpp_step.unavailable_reason() is not None:
+        pytest.skip(f"C++ training op cannot run here: {intqat.ops.cpp_step.unavailable_reason()}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    intqat.prepare_qat(model)
+    intqat.calibrate(model, [torch.randn(16, 64)])
+    intqat.to_integer(model)
+    model.train(mode == "train")
+    ref = copy.deepcopy(model)
+    big = model[2].weight.numel()
+    assert model[0].weight.numel() <= linear_mod.FUSED_NO_GRAD_MAX_WEIGHTS < big
+    xs = [torch.randn(16, 64) * (1 + i) for i in range(3)]  # (wider batches: a train-mode call moves the ranges)
+    with torch.inference_mode():
+        ys = [model(x) for x in xs]
+    assert "_codes_cache" not in model[0].__dict__ and "_codes_cache" not in model[4].__dict__  # the op ran
+    assert "_codes_cache" in model[2].__dict__  # above the bound: cached codes
+    monkeypatch.setattr(linear_mod, "FUSED_NO_GRAD_MAX_WEIGHTS", 0)
+    with torch.no_grad():
+        for x, y in zip(xs, ys):
+            assert torch.equal(ref(x), y)
+    for (k, t), u in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(t, u), k
 
 
 @pytest.mark.parametrize("stage", ["fake_quant", "integer"])

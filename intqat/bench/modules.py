@@ -7,7 +7,8 @@ Models (flat nn.Sequential, so torch.ao's eager fusion and intqat's Conv+BN fold
 Step: zero_grad(set_to_none) -> forward -> cross-entropy -> backward -> Adam.step(), the Adam the
 recipes build (fused; `--loop-optimizer`: torch's default per-parameter loop).
 
-Columns: step time (interleaved timer, intqat.bench.timing), peak memory (intqat.bench.memory),
+Columns: step time (interleaved timer, intqat.bench.timing), the eval-mode (validation) forward's time,
+peak memory (intqat.bench.memory),
 saved-for-backward bytes of one step (intqat.bench.saved), and the train/deploy mismatch:
 max |eval-mode forward of the trained model - its deployed program| on the same batch.
 """
@@ -233,6 +234,11 @@ class Run:
         self.opt.zero_grad(set_to_none=True)
         self.step_no_zero()
 
+    def eval_forward(self):
+        """a validation batch as Lightning runs it: eval mode (set by the caller), inference_mode"""
+        with torch.inference_mode():
+            self.model(self.x)
+
 
 def _first_line(e: Exception) -> str:
     first = (str(e).strip().splitlines() or [""])[0]
@@ -286,6 +292,14 @@ def _bench_model(make: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tensor
         runs.append(run)
     timings = time_interleaved({r.name: r.step for r in runs}, s.repeats, s.warmup, min_time=0.0)
     for r in runs:
+        r.model.eval()
+    try:
+        eval_timings = time_interleaved({r.name: r.eval_forward for r in runs}, s.repeats, s.warmup, min_time=0.0)
+    finally:
+        for r in runs:
+            r.model.train()
+    for r in runs:
+        r.results["eval"] = eval_timings[r.name]
         r.opt.zero_grad(set_to_none=True)
         st = state_bytes(r.model, r.opt)
         peak = peak_transient_bytes(r.step_no_zero)
@@ -326,7 +340,7 @@ def deploy_cells(name: str, mm: tuple | None, int_mm_refused: bool, mark: Callab
 def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None) -> Table:
     info = info or machine_info()
     g = torch.Generator().manual_seed(s.seed)
-    cols = ["candidate", "step ms", "speed vs fp32", "peak MiB", "peak vs fp32", "saved MiB", "deploy max|Δ|", "rel |Δ|"]
+    cols = ["candidate", "step ms", "speed vs fp32", "eval speed vs fp32", "peak MiB", "peak vs fp32", "saved MiB", "deploy max|Δ|", "rel |Δ|"]
     t = Table(
         title="intqat-bench modules   train step = zero_grad, forward, cross-entropy, backward, Adam.step "
               f"({'fused' if s.fused_optimizer else 'per-parameter loop'})",
@@ -364,13 +378,16 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
             r, tm = by[name], timings[name]
             res = r.results
             speed = speed_ratio(timings[FP32], tm) if fp else None
+            eval_speed = speed_ratio(fp.results["eval"], res["eval"]) if fp else None
             peak_ratio = res["peak"] / fp.results["peak"] if fp and res["peak"] and fp.results["peak"] else None
             mm = res.get("mismatch")
             d_cell, rel_cell = deploy_cells(name, mm, int_mm_refused, mark)
             t.add(
-                [name.replace("w8a8", preset), fmt_num(tm.median * 1e3), fmt_ratio(speed), fmt_bytes(res["peak"]), fmt_ratio(peak_ratio),
+                [name.replace("w8a8", preset), fmt_num(tm.median * 1e3), fmt_ratio(speed), fmt_ratio(eval_speed),
+                 fmt_bytes(res["peak"]), fmt_ratio(peak_ratio),
                  fmt_bytes(res["saved"]), d_cell, rel_cell],
                 {"model": title, "name": name, "preset": preset, "median_s": tm.median, "times_s": tm.times, "speed_vs_fp32": speed,
+                 "eval_median_s": res["eval"].median, "eval_speed_vs_fp32": eval_speed,
                  "peak_bytes": res["peak"], "state_bytes": res["state"], "transient_bytes": res["transient"],
                  "peak_vs_fp32": peak_ratio, "saved_bytes": res["saved"],
                  "mismatch_max_abs": None if mm is None else mm[0], "mismatch_rel": None if mm is None else mm[1],
@@ -383,6 +400,8 @@ def run_modules(s: ModulesSettings = ModulesSettings(), info: dict | None = None
             backends_ran.append(f"{title.split(',')[0]}: {by[INTQAT_INT].results['backends']}")
     t.footnotes = [
         "speed: median over repeats of t_fp32 / t_candidate (> 1 = faster). " + " | ".join(summary),
+        "eval speed: the same for one validation forward of the batch (model.eval(), torch.inference_mode; "
+        "intqat integer: the eager integer layers, not the deployed program), timed after the train steps.",
         "backends that ran intqat integer's primitives (intqat.ops.backends; GEMMs by name, passes = the "
         "elementwise passes): " + " | ".join(backends_ran),
         "peak = parameters + buffers + Adam state alive at step start (grads set to None) + the step's peak net "

@@ -145,7 +145,9 @@ def fused_conv(owner: nn.Module, x: Tensor) -> Tensor | None:
     the kept scale), _folded_eager() (intqat_train::bn_fold) and conv_step (intqat_train::int_conv2d with w_scale None)
     as one call, intqat_train::observed_int_conv2d (kernels/cpu/train_conv.cpp), which reads the scale and zero point
     the observer leaves: the same passes and arguments, so the same bits and the same buffers (eager_step.fused_linear's
-    scheme for the linear layers). Taken for a float32 CPU input in eager mode with autograd on, a static observer
+    scheme for the linear layers). Taken for a float32 CPU input in eager mode, with or without autograd (a validation
+pass under no_grad / inference_mode too: the op then saves nothing; its forward is the plain-aten path's arithmetic,
+which torch.export traces, bit for bit), a static observer
     that is not learned (min-max or moving average), a min-max weight scale per channel, a plain BatchNorm2d or none;
     what can change between calls (the input, the modes, the observer switch, a tracer, the table's state, the
     tensors' types) is checked per call, and the first call of a key asks int_conv2d's checks and the table
@@ -153,15 +155,17 @@ def fused_conv(owner: nn.Module, x: Tensor) -> Tensor | None:
     BN) is handed back, nothing changed, to the general path, which raises or takes it as before.
 
     Why (Zen 4, 1 thread, 2026-12-07): the observer's call 11-12 us, the fold's 22-23, conv_step's key and call ~15
-    beyond the op and ~28 of IntConv2d.forward's own Python, at a 1x1 SE conv whose op takes ~24 us."""
-    if type(x) is not Tensor or x.dtype is not _F32 or not x.is_cpu or not torch.is_grad_enabled():
+    beyond the op and ~28 of IntConv2d.forward's own Python, at a 1x1 SE conv whose op takes ~24 us. Without autograd
+    the plain-aten path (im2col, quantize, layout copies as separate aten calls) made the bench's MBConv block's eval
+    forward 1.75x-1.86x fp32's; through the op, 1.02x-1.11x (same Zen 4, 1 thread, inference_mode)."""
+    if type(x) is not Tensor or x.dtype is not _F32 or not x.is_cpu:
         return None
     d = owner.__dict__
     params, mods = d["_parameters"], d["_modules"]
     weight = params.get("weight")
     bias = params["bias"] if "bias" in params else d.get("bias", x)  # (x: neither: not this case)
-    if bias is x or not (type(weight) is _Parameter and _plain(bias)) or not (weight.requires_grad or x.requires_grad):
-        return None  # (_wants_autograd: the no-autograd call folds and quantizes without the op)
+    if bias is x or not (type(weight) is _Parameter and _plain(bias)):
+        return None
     aq, wq = mods["input_quantizer"], mods["weight_quantizer"]
     bn = mods["bn"] if "bn" in mods else d.get("bn", x)  # (None: a plain attribute)
     if bn is x:

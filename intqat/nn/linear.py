@@ -143,6 +143,14 @@ class FakeQuantLinear(_QuantLinearBase):
         return F.linear(self.input_quantizer.fake_quant(x), self.weight_quantizer.fake_quant(self.w_nk()), self.bias)
 
 
+# Without autograd (a validation pass) a layer with at most this many weights runs the training op too: the op
+# quantizes W again at every call (one pass over N x K), where the plain-aten path below reads codes cached across
+# calls but pays ~40 us of Python and dispatch per call (Zen 4, 1 thread, 2026-12-07: 8 x 128 -> 10 57 -> 17 us; the
+# two tie near 2^17-2^18 weights, e.g. 32 x 256 -> 768 102 against 108 us; at 1024 x 1024 the pass costs ~150 us).
+# 2^16 keeps the op's side of the trade on CPUs whose memory passes are several times slower against their Python.
+FUSED_NO_GRAD_MAX_WEIGHTS = 1 << 16
+
+
 class IntLinear(_QuantLinearBase):
     """The integer layer. Training: the differentiable `intqat::int_linear` op. Eval: the same
     functions composed of aten ops (portable through torch.export), so both give the same bits.
@@ -178,7 +186,7 @@ class IntLinear(_QuantLinearBase):
         # the differentiable op whenever autograd needs it (eval-mode training too); both paths
         # run the same functions, so they give the same bits
         op = torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad) and not torch.compiler.is_exporting()
-        if op and wq.scale is None and wq.per_channel:
+        if wq.scale is None and wq.per_channel and (op or weight.numel() <= FUSED_NO_GRAD_MAX_WEIGHTS):
             # the observer and the C++ step in one op call (eager_step.fused_linear), or None: the path below
             y = eager_step.fused_linear(self, "linear", x, w_nk, bias, aq, wq.qmin, wq.qmax, self.grad_gemm)
             if y is not None:

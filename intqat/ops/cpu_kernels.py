@@ -213,13 +213,16 @@ def scratch(role: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     bufs = _scratch.__dict__.setdefault("bufs", {})
     n = math.prod(shape)
     buf = bufs.get((role, dtype))
-    if buf is None or buf.numel() < n:
-        buf = bufs[(role, dtype)] = torch.empty(n, dtype=dtype)
-        for key in [k for k in views if k[:2] == (role, dtype)]:  # views of the old buffer: gone with it
-            del views[key]
-    if len(views) > 256:  # many shapes (a sweep): start over rather than grow without bound
-        views.clear()
-    view = views[(role, dtype, shape)] = buf[:n].view(shape)
+    # normal tensors even inside torch.inference_mode (a validation pass): they outlive the call, and a later call
+    # outside it writes them in place, which torch refuses for an inference tensor or a view made in inference mode
+    with torch.inference_mode(False):
+        if buf is None or buf.numel() < n:
+            buf = bufs[(role, dtype)] = torch.empty(n, dtype=dtype)
+            for key in [k for k in views if k[:2] == (role, dtype)]:  # views of the old buffer: gone with it
+                del views[key]
+        if len(views) > 256:  # many shapes (a sweep): start over rather than grow without bound
+            views.clear()
+        view = views[(role, dtype, shape)] = buf[:n].view(shape)
     return view
 
 

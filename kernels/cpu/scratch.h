@@ -14,6 +14,7 @@
 #ifndef INTQAT_SCRATCH_H
 #define INTQAT_SCRATCH_H
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 
 #include <string>
 #include <unordered_map>
@@ -35,6 +36,13 @@ inline at::Tensor scratch(const char *role, at::IntArrayRef shape, at::ScalarTyp
     Kept &k = *found;  // each role has one dtype
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
+    if (k.buf.defined() && k.buf.numel() >= n && k.buf.scalar_type() == dtype && k.view.defined() &&
+        k.view.sizes() == shape)
+        return k.view;
+    // made as normal tensors even inside torch.inference_mode (a validation pass): the buffers outlive the call, and
+    // the next training step writes them in place, which torch refuses for an inference tensor or a view made in
+    // inference mode ("Inplace update to inference tensor outside InferenceMode")
+    c10::InferenceMode normal(false);
     if (!k.buf.defined() || k.buf.numel() < n || k.buf.scalar_type() != dtype) {
         k.buf = at::empty({n}, at::TensorOptions().dtype(dtype));
         k.view = at::Tensor();
